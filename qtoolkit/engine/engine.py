@@ -1,0 +1,263 @@
+"""The engine API: requests in, one scheduler iteration per step(), RequestOutputs out.
+
+add_request / abort_request may be called from other threads (an HTTP server's event loop): they only queue
+the change, and step() applies queued changes before it schedules.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import threading
+from collections import deque
+
+import torch
+
+from ..errors import QToolError
+from ..sources import ModelSource, resolve_model
+from .block_manager import BlockManager
+from .model_runner import ModelRunner, kv_bytes_per_block
+from .params import EngineInputError, RequestOutput, SamplingParams
+from .sampler import sample
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+class EngineCapacityError(QToolError):
+    """The KV cache is too small for what was asked."""
+
+
+def parse_memory(value: str | int) -> int:
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise EngineInputError(f"cannot read memory size {value!r}: write e.g. 512MiB, 1GiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class Engine:
+    def __init__(self, model: str | ModelSource = "default", *, kv_cache_memory: str | int = "1GiB",
+                 block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
+                 batching: str = "continuous", dtype: str = "auto", enable_prefix_caching: bool = True,
+                 max_model_len: int | None = None):
+        from transformers import AutoTokenizer
+
+        from ..model.loader import load_model
+
+        if batching not in ("continuous", "static"):
+            raise EngineInputError(f"batching {batching!r} is unknown: use continuous or static")
+        if block_size <= 0 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
+            raise EngineInputError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        self.source = model if isinstance(model, ModelSource) else resolve_model(model)
+        self.model_name = self.source.name
+        self.tokenizer = AutoTokenizer.from_pretrained(self.source.path)
+        self.model = load_model(self.source, dtype)
+        budget = parse_memory(kv_cache_memory)
+        num_blocks = budget // kv_bytes_per_block(self.model, block_size)
+        if num_blocks < 2:
+            raise EngineCapacityError(f"kv_cache_memory {kv_cache_memory} holds {num_blocks} KV blocks: give it "
+                                      f"at least {2 * kv_bytes_per_block(self.model, block_size)} bytes")
+        self.max_model_len = min(self.model.config.max_position_embeddings, num_blocks * block_size,
+                                 max_model_len or 1 << 62)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, batching=batching)
+        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.eos_token_ids = self._eos_ids()
+        self._seqs: dict[str, Sequence] = {}
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._lock = threading.RLock()
+        self._ids = itertools.count()
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "requests_finished": 0}
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.model.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        gen = self.source.path / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else eos or [])
+        return ids
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def _make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        params.validate()
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt).input_ids
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self.model.config.vocab_size
+            if any(t < 0 or t >= vocab for t in ids):
+                raise EngineInputError(f"prompt token ids must lie in [0, {vocab}): check the tokenizer")
+        if not ids:
+            raise EngineInputError("the prompt is empty: give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise EngineInputError(f"prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
+                                   "(prompt + output): shorten the prompt or raise --kv-cache-memory")
+        return Sequence(request_id, ids, params, self.tokenizer)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        seq = self._make_sequence(request_id, prompt, params)
+        with self._lock:
+            if request_id in self._seqs or any(k == "add" and s.request_id == request_id for k, s in self._inbox):
+                raise EngineInputError(f"request id {request_id!r} is already running: use a unique id")
+            self._inbox.append(("add", seq))
+
+    def abort_request(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_unfinished()
+
+    def _apply_inbox(self) -> list[RequestOutput]:
+        aborted = []
+        with self._lock:
+            while self._inbox:
+                kind, item = self._inbox.popleft()
+                if kind == "add":
+                    self._seqs[item.request_id] = item
+                    self.scheduler.add(item)
+                elif (seq := self._seqs.pop(item, None)) is not None:
+                    self.scheduler.remove(seq)
+                    seq.finish("abort")
+                    aborted.append(seq.report())
+        return aborted
+
+    # -- one iteration ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            outputs = self._apply_inbox()
+            plan = self.scheduler.schedule()
+            if not plan:
+                return outputs
+            work = plan.work
+            num_logits = [1 if seq.num_computed_tokens + n == len(seq) else 0 for seq, n in work]
+            logits = self.runner.run(work, num_logits)
+            sampled = [seq for (seq, _), k in zip(work, num_logits, strict=True) if k]
+            tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+            for seq, n in work:
+                if seq.num_computed_tokens < seq.num_prompt_tokens:
+                    self.counters["prompt_tokens"] += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                seq.num_computed_tokens += n
+                self.block_manager.register_full_blocks(seq)
+            self.counters["steps"] += 1
+            self.counters["generation_tokens"] += len(sampled)
+            for seq, token in zip(sampled, tokens, strict=True):
+                new_text = seq.append_token(token)
+                self._check_finished(seq, token, new_text)
+                if seq.finished:
+                    self.scheduler.remove(seq)
+                    self._seqs.pop(seq.request_id, None)
+                    self.counters["requests_finished"] += 1
+                outputs.append(seq.report())
+            return outputs
+
+    def _check_finished(self, seq: Sequence, token: int, new_text: str) -> None:
+        p = seq.params
+        if p.stop and new_text:
+            text = seq.text
+            window = len(new_text) + max(map(len, p.stop)) - 1
+            hits = [i for s in p.stop if (i := text.find(s, max(0, len(text) - window))) >= 0]
+            if hits:
+                seq.detok.truncate(min(hits))
+                seq.finish("stop")
+                return
+        if token in self.eos_token_ids and not p.ignore_eos:
+            seq.finish("stop")
+        elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            seq.finish("length")
+
+    # -- batch helpers --------------------------------------------------------------------------------------
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams],
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; final outputs in input order."""
+        from ..progress import bar, quiet
+
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise EngineInputError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        batch = next(self._ids)
+        ids = [f"generate-{batch}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        progress = bar(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or quiet())
+        try:
+            while len(final) < len(ids):
+                for out in self.step():
+                    if out.finished and out.request_id in ids:
+                        final[out.request_id] = out
+                        progress.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in final:
+                    self.abort_request(rid)
+            self._apply_inbox()
+            raise
+        finally:
+            progress.close()
+        return [final[rid] for rid in ids]
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Teacher-forced log-softmax [T, vocab] float32 per sequence: row i is log p(. | tokens[:i+1]).
+
+        Sequences are packed into steps of max_num_batched_tokens (long ones chunked) over borrowed KV
+        blocks that are all released before returning."""
+        bm, budget = self.block_manager, self.scheduler.max_num_batched_tokens
+        seqs = []
+        for i, ids in enumerate(token_ids):
+            if not 0 < len(ids) <= self.max_model_len:
+                raise EngineInputError(f"cannot score {len(ids)} tokens: give 1 to {self.max_model_len} tokens "
+                                       "(the context length)")
+            seqs.append(Sequence(f"score-{i}", [int(t) for t in ids], SamplingParams(max_tokens=1)))
+        index = {id(seq): i for i, seq in enumerate(seqs)}
+        pieces: list[list[torch.Tensor]] = [[] for _ in seqs]
+        with self._lock:
+            try:
+                first = 0
+                while first < len(seqs):
+                    work, left = [], budget
+                    for seq in seqs[first:]:
+                        n = min(seq.num_uncomputed_tokens, left)
+                        if not bm.can_grow(seq, seq.num_computed_tokens + n):
+                            break
+                        bm.grow(seq, seq.num_computed_tokens + n)
+                        work.append((seq, n))
+                        left -= n
+                        if left == 0:
+                            break
+                    if not work:
+                        raise EngineCapacityError(f"not enough free KV blocks to score {len(seqs[first])} tokens: "
+                                                  "raise kv_cache_memory or score while no requests run")
+                    logprobs = self.runner.run(work, [n for _, n in work]).log_softmax(dim=-1)
+                    offset = 0
+                    for seq, n in work:
+                        pieces[index[id(seq)]].append(logprobs[offset:offset + n])
+                        offset += n
+                        seq.num_computed_tokens += n
+                    while first < len(seqs) and seqs[first].num_uncomputed_tokens == 0:
+                        bm.release(seqs[first])
+                        first += 1
+            finally:
+                for seq in seqs:
+                    if seq.block_table:
+                        bm.release(seq)
+        return [torch.cat(p) if len(p) > 1 else p[0] for p in pieces]
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting) + sum(1 for k, _ in self._inbox if k == "add"),
+            "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_blocks - bm.num_free_blocks,
+            "kv_blocks_free": bm.num_free_blocks, "block_size": bm.block_size,
+            "num_preemptions": self.scheduler.num_preemptions, "prefix_cache_hit_tokens": bm.num_prefix_hits,
+            **self.counters,
+        }

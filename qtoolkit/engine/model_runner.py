@@ -1,0 +1,87 @@
+"""Turns one scheduled step (sequences and how many new tokens each brings) into a flat forward batch over the
+paged KV cache, runs the model and hands back float32 logits for the rows that need them."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.llama import AttentionGroup, ForwardBatch, LlamaModel
+from .sequence import Sequence
+
+# Sequences bringing at most this many tokens (decode, speculative verification) share one padded attention
+# call; longer prefill chunks get a call each, so a decode batch is never padded up to a prefill's length.
+SHORT_QUERY = 16
+
+
+def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+    c = model.config
+    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(model.dtype).bits // 8
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+        self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
+        c = model.config
+        # zeros, not empty: padded block-table entries and masked slots are still read by attention,
+        # and 0 * NaN garbage would poison the softmax-weighted sum
+        self.kv_cache = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                                    dtype=model.dtype)
+        for i, layer in enumerate(model.layers):
+            layer.attn.k_cache, layer.attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.group = c.num_heads // c.num_kv_heads
+
+    def _group(self, seqs: list[tuple[Sequence, int]], first_row: int) -> AttentionGroup:
+        bs, G = self.block_size, self.group
+        lens = [n for _, n in seqs]
+        S, Q = len(seqs), max(lens)
+        max_blocks = max(-(-(s.num_computed_tokens + n) // bs) for s, n in seqs)
+        table = torch.zeros(S, max_blocks, dtype=torch.long)
+        last_pos = torch.zeros(S, Q, dtype=torch.long)  # the newest position each query row may see
+        for i, (s, n) in enumerate(seqs):
+            nb = -(-(s.num_computed_tokens + n) // bs)
+            table[i, :nb] = torch.tensor(s.block_table[:nb])
+            last_pos[i, :n] = torch.arange(s.num_computed_tokens, s.num_computed_tokens + n)
+        mask = torch.arange(max_blocks * bs)[None, None, :] <= last_pos[:, :, None]  # pad rows see slot 0 only
+        group = AttentionGroup(rows=slice(first_row, first_row + sum(lens)), num_seqs=S, q_len=Q,
+                               block_table=table, mask=mask.unsqueeze(1).repeat(1, 1, G, 1))
+        if any(n != Q for n in lens):
+            gather, scatter, offset = [], [], 0
+            for i, n in enumerate(lens):
+                gather += list(range(offset, offset + n)) + [offset] * (Q - n)
+                scatter += range(i * Q, i * Q + n)
+                offset += n
+            group.gather, group.scatter = torch.tensor(gather), torch.tensor(scatter)
+        return group
+
+    def prepare(self, work: list[tuple[Sequence, int]], num_logits: list[int]) -> ForwardBatch:
+        """work: (sequence, new tokens) in any order; num_logits: how many trailing rows of each get logits."""
+        bs = self.block_size
+        short = [i for i, (_, n) in enumerate(work) if n <= SHORT_QUERY]
+        order = short + [i for i, (_, n) in enumerate(work) if n > SHORT_QUERY]
+        ids, positions, slots, first_row = [], [], [], {}
+        for i in order:
+            seq, n = work[i]
+            start = seq.num_computed_tokens
+            first_row[i] = len(ids)
+            ids += seq.token_ids[start:start + n]
+            pos = range(start, start + n)
+            positions += pos
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in pos]
+        groups = []
+        if short:
+            groups.append(self._group([work[i] for i in short], 0))
+        for i in order[len(short):]:
+            groups.append(self._group([work[i]], first_row[i]))
+        rows = []
+        for i, k in enumerate(num_logits):
+            end = first_row[i] + work[i][1]
+            rows += range(end - k, end)
+        return ForwardBatch(input_ids=torch.tensor(ids), positions=torch.tensor(positions),
+                            slot_mapping=torch.tensor(slots), groups=groups,
+                            logits_rows=None if len(rows) == len(ids) and rows == sorted(rows) else
+                            torch.tensor(rows, dtype=torch.long))
+
+    def run(self, work: list[tuple[Sequence, int]], num_logits: list[int]) -> torch.Tensor:
+        """Writes the new tokens' K/V into the cache; returns logits [sum(num_logits), vocab] in work order."""
+        return self.model(self.prepare(work, num_logits))

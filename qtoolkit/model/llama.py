@@ -1,0 +1,229 @@
+"""A flat LLaMA-family decoder (LLaMA, Mistral, Qwen2) written for paged, continuous batching.
+
+All scheduled tokens of a step are flattened into one [T] batch; per-sequence metadata (positions, cache slots,
+block tables, attention groups) tells attention which cached K/V each query sees. A sequence may bring any
+number of new tokens: a prefill chunk, one decode token, or several draft tokens to verify, and the caller
+picks which rows get logits (last token per sequence, or every token for scoring).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ModelSourceError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    mlp_bias: bool
+    rope_scaling: dict[str, Any] | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelSourceError(f"model_type {model_type!r} is not supported by the engine: use a LLaMA, "
+                                   f"Mistral or Qwen2 model ({', '.join(SUPPORTED_MODEL_TYPES)})")
+        rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5 nests rope settings here
+        legacy = cfg.get("rope_scaling") or {}
+        rope = {**legacy, **rope}
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        eos = cfg.get("eos_token_id")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=cfg.get("attention_bias", model_type == "qwen2"), mlp_bias=cfg.get("mlp_bias", False),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        )
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary frequencies, computed exactly as transformers does (so fp32 logits match it bit for bit)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ModelSourceError(f"rope scaling {kind!r} is not supported by the engine: use default, linear or llama3")
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences whose attention runs as one padded SDPA call.
+
+    Their tokens are the contiguous rows `rows` of the flat batch. Queries are laid out [S, Q]; when sequences
+    bring different numbers of tokens, `gather` (S*Q indices into `rows`, pads repeat a real row) builds that
+    layout and `scatter` (indices into S*Q) picks the real rows back out.
+    """
+
+    rows: slice
+    num_seqs: int
+    q_len: int
+    block_table: torch.Tensor  # [S, max_blocks] int64, padded with block 0
+    mask: torch.Tensor  # [S, 1, G*Q, max_blocks*block_size] bool, True = may attend
+    gather: torch.Tensor | None = None
+    scatter: torch.Tensor | None = None
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset) for each token's K/V
+    groups: list[AttentionGroup]
+    logits_rows: torch.Tensor | None  # rows that get logits; None = all
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] (rotate-half convention), cos/sin [T, 1, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.group = self.num_heads // self.num_kv_heads
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj: nn.Module | None = None  # fused q|k|v, set by the loader
+        self.o_proj: nn.Module | None = None
+        self.k_cache = self.v_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, D], set by the runner
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T, H, Hk, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        qk = apply_rope(qkv[:, :(H + Hk) * D].view(T, H + Hk, D), cos, sin)  # q and k rotated in one go
+        q, k = qk[:, :H], qk[:, H:]
+        v = qkv[:, (H + Hk) * D:].view(T, Hk, D)
+        self.k_cache.view(-1, Hk, D).index_copy_(0, batch.slot_mapping, k)
+        self.v_cache.view(-1, Hk, D).index_copy_(0, batch.slot_mapping, v)
+        if len(batch.groups) == 1 and batch.groups[0].scatter is None:
+            return self.o_proj(self._attend(q, batch.groups[0]))
+        out = torch.empty(T, H * D, dtype=x.dtype)
+        for group in batch.groups:
+            o = self._attend(q, group)
+            out[group.rows] = o if group.scatter is None else o.index_select(0, group.scatter)
+        return self.o_proj(out)
+
+    def _attend(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        S, Q, Hk, G, D = g.num_seqs, g.q_len, self.num_kv_heads, self.group, self.head_dim
+        qg = q[g.rows] if g.gather is None else q[g.rows].index_select(0, g.gather)
+        # GQA without repeating K/V: the G query heads sharing a KV head become G*Q query rows
+        qg = qg.reshape(S, Q, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(S, Hk, G * Q, D)
+        blocks = g.block_table.flatten()
+        L = g.block_table.shape[1] * self.k_cache.shape[1]
+        k = self.k_cache.index_select(0, blocks).view(S, L, Hk, D).transpose(1, 2)
+        v = self.v_cache.index_select(0, blocks).view(S, L, Hk, D).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=self.scale)
+        return o.view(S, Hk, G, Q, D).permute(0, 3, 1, 2, 4).reshape(S * Q, Hk * G * D)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj: nn.Module | None = None  # fused gate|up, set by the loader
+        self.down_proj: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the same op order as transformers' LlamaRMSNorm, in the activations' dtype
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.eps))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, residual, cos, sin, batch):
+        residual = x if residual is None else residual + x
+        x = self.attn(self.input_norm(residual), cos, sin, batch)
+        residual = residual + x
+        return self.mlp(self.post_attn_norm(residual)), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        self.embed_tokens = nn.Parameter(torch.empty(0), requires_grad=False)  # [V, hidden], set by the loader
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: nn.Module | None = None
+        freqs = torch.outer(torch.arange(config.max_position_embeddings).float(), rope_inv_freq(config))
+        self.register_buffer("rope_cos", freqs.cos(), persistent=False)
+        self.register_buffer("rope_sin", freqs.sin(), persistent=False)
+
+    def cast_rope(self) -> None:
+        self.rope_cos, self.rope_sin = self.rope_cos.to(self.dtype), self.rope_sin.to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Runs the scheduled tokens; returns float32 logits [rows, vocab] for batch.logits_rows."""
+        x = F.embedding(batch.input_ids, self.embed_tokens)
+        cos = self.rope_cos.index_select(0, batch.positions).unsqueeze(1)
+        sin = self.rope_sin.index_select(0, batch.positions).unsqueeze(1)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, batch)
+        h = residual + x
+        if batch.logits_rows is not None:
+            h = h.index_select(0, batch.logits_rows)
+        return self.lm_head(self.norm(h)).float()

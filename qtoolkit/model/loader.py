@@ -1,0 +1,147 @@
+"""Build a LlamaModel from a ModelSource folder: dense fp32/bf16/fp16 safetensors or a compressed-tensors
+checkpoint (each Linear matched to its config group by `targets` / `ignore`). GGUF sources arrive here already
+converted to a safetensors folder by the resolver. Pickle weights are never read.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from ..errors import ModelSourceError
+from ..sources import ModelSource
+from .llama import LlamaModel, ModelConfig
+
+# Why "auto" means float32 for dense weights on this CPU (MEASUREMENTS.md, AVX2 without native bf16):
+# bf16 matmuls collapse at batch >= 8 (fp32 190 vs bf16 92 tok/s at batch 32) and a serving engine lives at
+# batch >= 8; fp32 also reproduces transformers' greedy output token for token. bf16 wins only at batch 1
+# (55 vs 18 tok/s): ask for it with dtype="bfloat16" for single-stream latency.
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32
+    if dtype not in DTYPES:
+        raise ModelSourceError(f"dtype {dtype!r} is not supported: use auto, float32, bfloat16 or float16")
+    return DTYPES[dtype]
+
+
+def read_tensors(source: ModelSource) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(source.path.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def _matches(patterns: list[str], name: str, class_name: str = "Linear") -> bool:
+    for pat in patterns or []:
+        if pat.startswith("re:"):
+            if re.match(pat[3:], name):
+                return True
+        elif pat == class_name or pat == name or name.endswith("." + pat):
+            return True
+    return False
+
+
+def config_group_for(qconfig: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The compressed-tensors config group that quantizes Linear `name`, or None when it stays dense."""
+    if _matches(qconfig.get("ignore", []), name):
+        return None
+    for group in (qconfig.get("config_groups") or {}).values():
+        if _matches(group.get("targets", []), name):
+            return group
+    return None
+
+
+class LinearFactory:
+    """Makes (and fuses) the Linear modules of one checkpoint, dense or quantized."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], qconfig: dict[str, Any] | None, dtype: torch.dtype):
+        self.tensors, self.qconfig, self.dtype = tensors, qconfig, dtype
+        self.quant_linear = None
+        if qconfig is not None:
+            if qconfig.get("quant_method", "compressed-tensors") != "compressed-tensors":
+                raise ModelSourceError(f"quantization method {qconfig.get('quant_method')!r} is not supported: "
+                                       "use a compressed-tensors checkpoint made by `qtool quantize`")
+            try:
+                from . import quant_linear
+            except ImportError as e:
+                raise ModelSourceError(f"this build cannot run quantized checkpoints ({e}): install a qtoolkit "
+                                       "with qtoolkit/model/quant_linear.py") from None
+            self.quant_linear = quant_linear
+
+    def _parts(self, name: str) -> dict[str, torch.Tensor]:
+        prefix = name + "."
+        parts = {k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)}
+        if not parts:
+            raise ModelSourceError(f"checkpoint has no tensors for {name}: the folder is incomplete or not a "
+                                   "LLaMA-family model")
+        return parts
+
+    def dense(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        lin.weight = nn.Parameter(weight.to(self.dtype).contiguous(), requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias.to(self.dtype).contiguous(), requires_grad=False)
+        return lin
+
+    def make(self, names: list[str]) -> nn.Module:
+        """One Linear for the concatenated outputs of `names` (fused QKV / gate-up cut per-op overhead)."""
+        parts = [self._parts(n) for n in names]
+        groups = [config_group_for(self.qconfig, n) if self.qconfig else None for n in names]
+        if all(g is None for g in groups):
+            weight = torch.cat([p["weight"] for p in parts]) if len(parts) > 1 else parts[0]["weight"]
+            biases = [p.get("bias") for p in parts]
+            bias = None if biases[0] is None else torch.cat(biases)
+            return self.dense(weight, bias)
+        if any(g is None for g in groups) or any(g != groups[0] for g in groups):
+            raise ModelSourceError(f"{', '.join(names)} are quantized with different schemes: quantize them "
+                                   "with one config group (the engine fuses them)")
+        mods = []
+        for p, g in zip(parts, groups, strict=True):
+            tensors = {k: v for k, v in p.items() if k != "bias"}
+            mods.append(self.quant_linear.make_linear(tensors, g, p.get("bias")))
+        return self.quant_linear.fuse_linears(mods) if len(mods) > 1 else mods[0]
+
+
+def load_model(source: ModelSource, dtype: str = "auto") -> LlamaModel:
+    config = ModelConfig.from_hf(source.config)
+    torch_dtype = resolve_dtype(dtype)
+    tensors = read_tensors(source)
+    factory = LinearFactory(tensors, source.quantization_config, torch_dtype)
+    model = LlamaModel(config, torch_dtype)
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ModelSourceError(f"checkpoint is missing {name}: the folder is incomplete or not a LLaMA-family "
+                                   "model")
+        return tensors[name].to(torch_dtype)
+
+    model.embed_tokens = nn.Parameter(take("model.embed_tokens.weight"), requires_grad=False)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        layer.input_norm.weight = nn.Parameter(take(p + "input_layernorm.weight"), requires_grad=False)
+        layer.post_attn_norm.weight = nn.Parameter(take(p + "post_attention_layernorm.weight"),
+                                                   requires_grad=False)
+        attn = p + "self_attn."
+        layer.attn.qkv_proj = factory.make([attn + "q_proj", attn + "k_proj", attn + "v_proj"])
+        layer.attn.o_proj = factory.make([attn + "o_proj"])
+        mlp = p + "mlp."
+        layer.mlp.gate_up_proj = factory.make([mlp + "gate_proj", mlp + "up_proj"])
+        layer.mlp.down_proj = factory.make([mlp + "down_proj"])
+    model.norm.weight = nn.Parameter(take("model.norm.weight"), requires_grad=False)
+    if config.tie_word_embeddings or "lm_head.weight" not in tensors and "lm_head.weight_packed" not in tensors:
+        model.lm_head = factory.dense(model.embed_tokens, None)  # shares the embedding's storage
+        model.lm_head.weight = model.embed_tokens
+    else:
+        model.lm_head = factory.make(["lm_head"])
+    model.cast_rope()
+    return model.eval()
