@@ -1,0 +1,51 @@
+"""Build the AVX2 CPU kernels (kernels/cpu_kernels.cpp) once and cache them; None when that is impossible.
+
+The build goes to ~/.cache/qtoolkit/torch_extensions (override with QTOOLKIT_EXT_DIR) and is reused while the
+source and compiler flags are unchanged. Without gcc, without AVX2, or with QTOOLKIT_NO_CPU_EXT=1 the callers
+fall back to torch ops (correct, slower).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+
+
+def cpu_has_avx2() -> bool:
+    try:
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    except Exception:  # pragma: no cover - very old torch
+        return False
+
+
+@functools.cache
+def cpu_kernels():
+    """The compiled extension module, or None (reason logged once)."""
+    if os.environ.get("QTOOLKIT_NO_CPU_EXT") == "1":
+        return None
+    if not cpu_has_avx2() or not SOURCE.exists():
+        log.info("qtoolkit CPU kernels unavailable (no AVX2 or source missing); using torch fallback")
+        return None
+    from torch.utils.cpp_extension import load
+
+    text = SOURCE.read_bytes()
+    tag = hashlib.sha256(text + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+    root = Path(os.environ.get("QTOOLKIT_EXT_DIR", Path.home() / ".cache" / "qtoolkit" / "torch_extensions"))
+    build_dir = root / f"qtoolkit_cpu_{tag}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return load(name=f"qtoolkit_cpu_{tag}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+    except Exception as e:  # no compiler, bad headers: the torch path still works
+        log.warning("qtoolkit CPU kernels failed to build (%s); using torch fallback", str(e).splitlines()[0])
+        return None

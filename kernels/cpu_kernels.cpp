@@ -1,0 +1,310 @@
+// AVX2 dequant-matmul kernels for the CPU path (built once by kernels/cpu_build.py with -O3 -mavx2 -mfma -mf16c).
+//
+// Decode on this CPU is memory-bound only if the kernel is cheap per weight byte. The INT4 kernel therefore
+// follows the llama.cpp Q4 x Q8 scheme: activations are quantized to int8 per 32-element block (once per call),
+// and the packed nibbles are multiplied with vpmaddubsw/vpmaddwd in registers; only one float FMA per 32 weights.
+// It reads the checkpoint's own pack-quantized layout (byte b of a row holds element 2b in its low nibble and
+// 2b+1 in its high nibble, offset by +8), so no repack is needed: the activations are permuted instead.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// Activations of one call, quantized to int8 per block of 32. For the INT4 kernel they are permuted to match the
+// nibble order: for each chunk of 64 elements, 32 bytes of the even elements then 32 bytes of the odd ones.
+struct QuantizedActivations {
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<float> d;       // [M, K/32] block scales
+  std::vector<float> dsum;    // [M, K/32] block scale * sum of the block's int8 values (for the weight offset)
+};
+
+QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, bool nibble_order) {
+  QuantizedActivations a;
+  const int64_t nb = K / 32;
+  a.q.resize(M * K);
+  a.d.resize(M * nb);
+  a.dsum.resize(M * nb);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    int8_t* qr = a.q.data() + m * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xr[b * 32 + i]));
+      const float d = amax / 127.f;
+      const float inv = d > 0.f ? 1.f / d : 0.f;
+      int sum = 0;
+      const int64_t chunk = b / 2, half = b % 2;  // which 64-chunk, and which 32-block inside it
+      for (int i = 0; i < 32; ++i) {
+        const int v = static_cast<int>(std::nearbyint(xr[b * 32 + i] * inv));
+        sum += v;
+        // element e of the chunk (e = half*32 + i) goes to even/odd plane position e/2
+        const int64_t e = half * 32 + i;
+        qr[nibble_order ? chunk * 64 + (e % 2) * 32 + e / 2 : b * 32 + i] = static_cast<int8_t>(v);
+      }
+      a.d[m * nb + b] = d;
+      a.dsum[m * nb + b] = d * static_cast<float>(sum);
+    }
+  }
+  return a;
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// MB activation rows against one weight row. ws/zp: this row's group scales and (optional) zero points.
+template <int MB>
+inline void int4_row(const uint8_t* w, const float* ws, const int8_t* zp, int64_t K, int64_t group,
+                     const QuantizedActivations& a, int64_t m0, float* out, int64_t out_stride) {
+  const int64_t nb = K / 32, nchunk = K / 64, blocks_per_group = group / 32;
+  const __m256i low_mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i dup = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  __m256 acc[MB];
+  float corr[MB];
+  for (int i = 0; i < MB; ++i) { acc[i] = _mm256_setzero_ps(); corr[i] = 0.f; }
+  for (int64_t c = 0; c < nchunk; ++c) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
+    const __m256i lo = _mm256_and_si256(packed, low_mask);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask);
+    const int64_t g0 = (2 * c) / blocks_per_group, g1 = (2 * c + 1) / blocks_per_group;
+    const float s0 = ws[g0], s1 = ws[g1];
+    // offset of the unsigned nibble: 8 (symmetric) or 8 + zero point (asymmetric)
+    const float o0 = s0 * (8.f + (zp ? zp[g0] : 0)), o1 = s1 * (8.f + (zp ? zp[g1] : 0));
+    const __m256 wscale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(s0, s1, 0.f, 0.f)), dup);
+    for (int i = 0; i < MB; ++i) {
+      const int64_t m = m0 + i;
+      const int8_t* xq = a.q.data() + m * K + c * 64;
+      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+      const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));  // lanes 0-3 block 2c, 4-7 block 2c+1
+      const float* d = a.d.data() + m * nb + 2 * c;
+      const __m256 xscale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(d[0], d[1], 0.f, 0.f)), dup);
+      acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(wscale, xscale), acc[i]);
+      const float* ds = a.dsum.data() + m * nb + 2 * c;
+      corr[i] += o0 * ds[0] + o1 * ds[1];
+    }
+  }
+  for (int i = 0; i < MB; ++i) out[i * out_stride] = hsum(acc[i]) - corr[i];
+}
+
+void check_int4_args(const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& zeros,
+                     int64_t K, int64_t group) {
+  TORCH_CHECK(packed.dtype() == torch::kInt32 && packed.is_contiguous(), "packed must be contiguous int32");
+  TORCH_CHECK(K % 64 == 0 && group % 32 == 0 && K % group == 0, "need K % 64 == 0 and group % 32 == 0");
+  TORCH_CHECK(packed.size(1) * 8 == K, "packed width does not match K");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.size(1) == K / group,
+              "scales must be contiguous fp32 [N, K/group]");
+  TORCH_CHECK(!zeros.defined() || zeros.numel() == 0 ||
+              (zeros.dtype() == torch::kInt8 && zeros.is_contiguous() && zeros.sizes() == scales.sizes()),
+              "zeros must be int8 shaped like scales");
+}
+
+}  // namespace
+
+// y[M, N] = x[M, K] @ dequant(W)^T for pack-quantized 4-bit W ([N, K/8] int32), group scales [N, K/group].
+torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros,
+                          int64_t group) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous fp32 2-D");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  check_int4_args(packed, scales, zeros, K, group);
+  const QuantizedActivations a = quantize_activations(x.data_ptr<float>(), M, K, true);
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(packed.data_ptr<int32_t>());
+  const float* s = scales.data_ptr<float>();
+  const int8_t* z = (zeros.defined() && zeros.numel()) ? zeros.data_ptr<int8_t>() : nullptr;
+  float* out = y.data_ptr<float>();
+  const int64_t G = K / group;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* wr = w + n * (K / 2);
+      const float* sr = s + n * G;
+      const int8_t* zr = z ? z + n * G : nullptr;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) int4_row<4>(wr, sr, zr, K, group, a, m, out + m * N + n, N);
+      for (; m < M; ++m) int4_row<1>(wr, sr, zr, K, group, a, m, out + m * N + n, N);
+    }
+  });
+  return y;
+}
+
+// fp32 [N, K] weight from the packed layout (prefill path: dequantize once, then one sgemm).
+torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros, int64_t group) {
+  const int64_t N = packed.size(0), K = packed.size(1) * 8;
+  check_int4_args(packed, scales, zeros, K, group);
+  auto out = torch::empty({N, K}, scales.options());
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(packed.data_ptr<int32_t>());
+  const float* s = scales.data_ptr<float>();
+  const int8_t* z = (zeros.defined() && zeros.numel()) ? zeros.data_ptr<int8_t>() : nullptr;
+  float* o = out.data_ptr<float>();
+  const int64_t G = K / group;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float sc = s[n * G + g];
+        const float off = 8.f + (z ? z[n * G + g] : 0);
+        const uint8_t* wb = w + n * (K / 2) + g * group / 2;
+        float* ob = o + n * K + g * group;
+        for (int64_t b = 0; b < group / 2; ++b) {
+          ob[2 * b] = (static_cast<float>(wb[b] & 0x0F) - off) * sc;
+          ob[2 * b + 1] = (static_cast<float>(wb[b] >> 4) - off) * sc;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+namespace {
+
+// 16 FP8 E4M3 bytes -> two vectors of 8 floats, each 2^-8 times the true value. E4M3's sign/exponent/mantissa
+// moved into fp16's bit positions is the same number scaled by 2^(7-15) (subnormals included), and F16C turns
+// that into fp32 in one instruction; the 2^8 is folded into the row scale. (0x7F, NaN in E4M3, reads as 480.)
+inline void fp8x16_to_f32(const uint8_t* p, __m256& a, __m256& b) {
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
+  const __m256i body = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7);
+  const __m256i h = _mm256_or_si256(sign, body);
+  a = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+template <int MB>
+inline void fp8_row(const uint8_t* w, float scale, const float* x, int64_t K, float* out, int64_t out_stride) {
+  __m256 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m256 w0, w1;
+    fp8x16_to_f32(w + k, w0, w1);
+    for (int i = 0; i < MB; ++i) {
+      acc[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * K + k), acc[i]);
+      acc[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * K + k + 8), acc[i]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) out[i * out_stride] = hsum(acc[i]) * scale * 256.f;
+}
+
+}  // namespace
+
+// y[M, N] = x[M, K] @ (W_fp8 * scale[:, None])^T with W given as its raw bytes (uint8 view), per-row scales.
+torch::Tensor fp8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous fp32 2-D");
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous(), "w must be the uint8 view of the fp8 weight");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && K % 16 == 0, "need K % 16 == 0 and matching shapes");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.numel() == N, "scales must be fp32 [N]");
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* xp = x.data_ptr<float>();
+  const float* sp = scales.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) fp8_row<4>(wp + n * K, sp[n], xp + m * K, K, out + m * N + n, N);
+      for (; m < M; ++m) fp8_row<1>(wp + n * K, sp[n], xp + m * K, K, out + m * N + n, N);
+    }
+  });
+  return y;
+}
+
+// fp32 [N, K] weight from FP8 bytes and per-row scales (prefill path).
+torch::Tensor fp8_dequantize(torch::Tensor w, torch::Tensor scales) {
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.size(1) % 16 == 0, "bad fp8 weight");
+  const int64_t N = w.size(0), K = w.size(1);
+  auto out = torch::empty({N, K}, scales.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const __m256 s = _mm256_set1_ps(sp[n] * 256.f);
+      for (int64_t k = 0; k < K; k += 16) {
+        __m256 a, b;
+        fp8x16_to_f32(wp + n * K + k, a, b);
+        _mm256_storeu_ps(o + n * K + k, _mm256_mul_ps(a, s));
+        _mm256_storeu_ps(o + n * K + k + 8, _mm256_mul_ps(b, s));
+      }
+    }
+  });
+  return out;
+}
+
+
+namespace {
+
+// MB activation rows against one int8 weight row ([-128, 127], e.g. W8A16, W8A8 or unpacked INT3).
+// vpmaddubsw needs an unsigned operand: |w| times x carrying w's sign (llama.cpp's Q8 trick), 128*127*2 fits s16.
+template <int MB>
+inline void int8_row(const int8_t* w, const float* ws, const int8_t* zp, int64_t K, int64_t group,
+                     const QuantizedActivations& a, int64_t m0, float* out, int64_t out_stride) {
+  const int64_t nb = K / 32, blocks_per_group = group / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MB];
+  float corr[MB];
+  for (int i = 0; i < MB; ++i) { acc[i] = _mm256_setzero_ps(); corr[i] = 0.f; }
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
+    const __m256i wabs = _mm256_sign_epi8(wv, wv);
+    const int64_t g = b / blocks_per_group;
+    const float s = ws[g];
+    const float o = zp ? s * zp[g] : 0.f;
+    for (int i = 0; i < MB; ++i) {
+      const int64_t m = m0 + i;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + m * K + b * 32));
+      const __m256i p16 = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+      acc[i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s * a.d[m * nb + b]), acc[i]);
+      corr[i] += o * a.dsum[m * nb + b];
+    }
+  }
+  for (int i = 0; i < MB; ++i) out[i * out_stride] = hsum(acc[i]) - corr[i];
+}
+
+}  // namespace
+
+// y[M, N] = x[M, K] @ dequant(W)^T for an int8 weight [N, K] with group scales [N, K/group] (group = K: channel).
+torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor zeros,
+                          int64_t group) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous fp32 2-D");
+  TORCH_CHECK(w.dtype() == torch::kInt8 && w.is_contiguous(), "w must be contiguous int8");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && K % 32 == 0 && group % 32 == 0 && K % group == 0, "need K, group % 32 == 0");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N * (K / group),
+              "scales must be contiguous fp32 [N, K/group]");
+  TORCH_CHECK(!zeros.defined() || zeros.numel() == 0 ||
+              (zeros.dtype() == torch::kInt8 && zeros.is_contiguous() && zeros.numel() == scales.numel()),
+              "zeros must be int8 shaped like scales");
+  const QuantizedActivations a = quantize_activations(x.data_ptr<float>(), M, K, false);
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  const int8_t* z = (zeros.defined() && zeros.numel()) ? zeros.data_ptr<int8_t>() : nullptr;
+  float* out = y.data_ptr<float>();
+  const int64_t G = K / group;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int8_t* zr = z ? z + n * G : nullptr;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) int8_row<4>(wp + n * K, s + n * G, zr, K, group, a, m, out + m * N + n, N);
+      for (; m < M; ++m) int8_row<1>(wp + n * K, s + n * G, zr, K, group, a, m, out + m * N + n, N);
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_matmul", &int4_matmul, "packed INT4 x fp32 matmul (AVX2, int8 activation blocks)");
+  m.def("int4_dequantize", &int4_dequantize, "packed INT4 -> fp32 weight");
+  m.def("int8_matmul", &int8_matmul, "int8 weight x fp32 matmul (AVX2, int8 activation blocks)");
+  m.def("fp8_matmul", &fp8_matmul, "FP8 E4M3 weight x fp32 matmul (AVX2 + F16C)");
+  m.def("fp8_dequantize", &fp8_dequantize, "FP8 E4M3 weight -> fp32");
+}

@@ -1,0 +1,66 @@
+"""The one dispatch point of every Linear: CUDA tensors go to Triton, CPU tensors to the fastest CPU path.
+
+`quant_linear(x, layer)` reads a prepared layer (qtoolkit/model/quant_linear.py builds it):
+  kind      "int4" (qweight: checkpoint-packed int32 [N, K/8]), "int8" (qweight: int8 [N, K], any int <= 8 bit
+            unpacked once at load), or "fp8" (qweight: float8_e4m3fn [N, K])
+  scales    fp32 [N, K/group_size]; zeros: int8 like scales, or empty (symmetric)
+  act       None (weight-only) or "int"/"float": dynamic per-token activation quantization (W8A8, FP8_DYNAMIC)
+  bias      tensor or None
+The output has x's dtype and shape [..., N].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cpu
+from .reference import quantize_activations
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Unquantized layers run in the weight's dtype (the model decides fp32 vs bf16), output in x's dtype."""
+    y = torch.nn.functional.linear(x.to(weight.dtype), weight, bias)
+    return y.to(x.dtype)
+
+
+def _fake_quant_tokens(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token quantize-dequantize in torch: the reference semantics of dynamic activation schemes."""
+    q, scale = quantize_activations(x, kind)
+    return q.float() * scale
+
+
+def _cpu(x2: torch.Tensor, layer) -> torch.Tensor:
+    x2 = x2.float().contiguous()
+    if layer.act is not None:
+        x2 = _fake_quant_tokens(x2, layer.act)
+    zeros = layer.zeros if layer.zeros.numel() else None
+    if layer.kind == "int4":
+        return cpu.int4_linear(x2, layer.qweight, layer.scales, zeros, layer.group_size)
+    if layer.kind == "int8":
+        return cpu.int8_linear(x2, layer.qweight, layer.scales, zeros, layer.group_size)
+    return cpu.fp8_linear(x2, layer.qweight, layer.scales)
+
+
+def _cuda(x2: torch.Tensor, layer) -> torch.Tensor:
+    zeros = layer.zeros if layer.zeros.numel() else None
+    if layer.kind == "fp8":
+        from .fp8_matmul import fp8_linear
+
+        if layer.act == "float":  # FP8 x FP8 on the tensor cores; activations quantized in torch (see reference)
+            xq, xs = quantize_activations(x2, "float")
+            return fp8_linear(xq, layer.qweight, layer.scales, x_scale=xs, out_dtype=x2.dtype)
+        return fp8_linear(x2, layer.qweight, layer.scales, out_dtype=x2.dtype)
+    from .int4_matmul import int_linear
+
+    if layer.act is not None:
+        x2 = _fake_quant_tokens(x2, layer.act).to(x2.dtype)
+    return int_linear(x2, layer.qweight, layer.scales, zeros, layer.group_size, packed=layer.kind == "int4")
+
+
+def quant_linear(x: torch.Tensor, layer) -> torch.Tensor:
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    y = _cuda(x2, layer) if x.is_cuda else _cpu(x2, layer)
+    if layer.bias is not None:
+        y = y + layer.bias.to(y.dtype)
+    return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
