@@ -14,12 +14,16 @@ from typing import Any
 from .errors import OutputExistsError
 
 
+def check_output(target: str | os.PathLike, overwrite: bool) -> None:
+    if Path(target).exists() and not overwrite:
+        raise OutputExistsError(f"output {target} already exists: choose another path or pass --overwrite")
+
+
 @contextlib.contextmanager
 def atomic_dir(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temp folder beside `target`; on success it replaces `target`, on failure it is removed."""
     target = Path(target)
-    if target.exists() and not overwrite:
-        raise OutputExistsError(f"output {target} already exists: choose another path or pass --overwrite")
+    check_output(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:

@@ -1,0 +1,33 @@
+"""`qtool quantize`: a recipe turns a model into a compressed-tensors checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "quantize a model with a recipe (recipes/*.yaml) into a compressed-tensors checkpoint"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="`default`, a Hugging Face folder or a .gguf file")
+    p.add_argument("--recipe", required=True, help="a recipe name in recipes/ (e.g. int4-rtn) or a YAML path")
+    p.add_argument("--output", required=True, help="output folder (written atomically)")
+    p.add_argument("--calibration", choices=["code", "summarization", "mixed"],
+                   help="calibration text for GPTQ recipes (overrides the recipe)")
+    p.add_argument("--num-samples", type=int, help="number of calibration samples (overrides the recipe)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--no-verify", action="store_true", help="skip reloading the output with transformers")
+
+
+def run(args: argparse.Namespace) -> int:
+    from qtoolkit.quantize import quantize
+
+    res = quantize(args.model, args.recipe, args.output, calibration=args.calibration,
+                   num_samples=args.num_samples, overwrite=args.overwrite, verify=not args.no_verify)
+    t = res.report["totals"]
+    print(json.dumps({"output": str(res.output), "recipe": res.report["recipe"]["name"],
+                      "linear_ratio_vs_bf16": t["linear_ratio_vs_bf16"],
+                      "linear_quantized_bytes": t["linear_quantized_bytes"],
+                      "checkpoint_bytes": t["checkpoint_bytes"], "seconds": res.report["timings"]["total_s"],
+                      "smoke_test": (res.report["smoke_test"] or {}).get("completion")}, indent=2))
+    return 0
