@@ -16,7 +16,7 @@ def build_sharp_tiny_llama(folder: Path, tokenizer_dir: Path, scale: float = 10.
     build_tiny_llama(folder, tokenizer_dir, **kw)
     model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(scale)
     model.save_pretrained(folder, safe_serialization=True)
