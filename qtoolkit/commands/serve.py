@@ -1,0 +1,37 @@
+"""`qtool serve`: an OpenAI-compatible HTTP server over the engine."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="`default`, a Hugging Face folder or a .gguf file")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    p.add_argument("--kv-cache-memory", default="1GiB", help="memory for the paged KV cache, e.g. 512MiB, 2GiB")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences the engine runs at once")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests allowed to wait beyond --max-num-seqs; past it the server answers 503")
+    p.add_argument("--batching", choices=["continuous", "static"], default="continuous",
+                   help="static: a batch starts only when the previous one finished (the baseline)")
+    p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one engine step")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import QToolError
+    from ..server import serve
+
+    if not 0 < args.port < 65536:
+        raise QToolError(f"--port {args.port} is not a TCP port: pass 1-65535")
+    if args.max_num_seqs <= 0 or args.max_waiting < 0:
+        raise QToolError("--max-num-seqs must be > 0 and --max-waiting >= 0")
+    serve(args.model, host=args.host, port=args.port, api_key=args.api_key, kv_cache_memory=args.kv_cache_memory,
+          max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting, batching=args.batching, dtype=args.dtype,
+          max_num_batched_tokens=args.max_num_batched_tokens, log_level=args.log_level)
+    return 0

@@ -1,0 +1,67 @@
+"""OpenAI-compatible HTTP server over the qtoolkit engine (FastAPI + uvicorn).
+
+`create_app(engine, ...)` builds the ASGI app for an existing engine; `serve(...)` loads a model and runs it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from typing import Any
+
+from ..errors import QToolError
+from ..progress import status
+from .app import create_app
+
+__all__ = ["create_app", "serve", "build_engine"]
+
+log = logging.getLogger("qtoolkit.server")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before the model loads, not after, when the address is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise QToolError(f"cannot listen on {host}:{port} ({e.strerror}): pass another --port or --host") from None
+
+
+def build_engine(model: Any, *, kv_cache_memory: str = "1GiB", max_num_seqs: int = 64, batching: str = "continuous",
+                 dtype: str = "auto", max_num_batched_tokens: int = 1024) -> Any:
+    from ..engine import Engine
+
+    return Engine(model, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, batching=batching,
+                  dtype=dtype, max_num_batched_tokens=max_num_batched_tokens)
+
+
+def serve(model: Any = "default", *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          kv_cache_memory: str = "1GiB", max_num_seqs: int = 64, max_waiting: int = 256,
+          batching: str = "continuous", dtype: str = "auto", max_num_batched_tokens: int = 1024,
+          log_level: str = "info") -> None:
+    """Load `model` into an engine and serve it until interrupted."""
+    import uvicorn
+
+    if not _is_loopback(host) and api_key is None:
+        log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
+    check_port_free(host, port)
+    status(f"loading {model} ({batching} batching, KV cache {kv_cache_memory})")
+    engine = build_engine(model, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, batching=batching,
+                          dtype=dtype, max_num_batched_tokens=max_num_batched_tokens)
+    names = [engine.model_name] + [str(model)] * (str(model) != engine.model_name)
+    app = create_app(engine, served_model_names=names, api_key=api_key, max_waiting=max_waiting,
+                     max_num_seqs=max_num_seqs)
+    status(f"serving {engine.model_name} on http://{host}:{port}/v1")
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

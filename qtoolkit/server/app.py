@@ -1,0 +1,271 @@
+"""The FastAPI app: OpenAI-compatible routes over one engine, plus /health and /metrics.
+
+Every refusal (bad input, unknown model, bad key, overload) is decided on the event loop before the engine sees
+the request, so refused requests never disturb running ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import secrets
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.params import SamplingParams
+from ..errors import QToolError
+from .driver import EngineDriver, Overloaded
+from .generation import Generation
+from .metrics import ServerMetrics
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_chunk,
+    completion_chunk,
+    new_id,
+    now,
+    usage_block,
+    usage_chunk,
+)
+
+RETRY_AFTER_S = 1
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class ServerState:
+    def __init__(self, engine: Any, *, names: list[str], api_key: str | None, max_waiting: int, max_num_seqs: int):
+        self.engine = engine
+        # The engine thread detokenizes with engine.tokenizer; the event loop tokenizes with its own copy.
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.model_name = names[0]
+        self.names = set(names)
+        self.api_key = api_key
+        self.metrics = ServerMetrics()
+        self.driver = EngineDriver(engine, self.metrics, max_in_flight=max_num_seqs + max_waiting)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.names:
+            raise APIError(404, f"model {model!r} does not exist: this server serves {self.model_name!r} "
+                                f"(GET /v1/models)", param="model", code="model_not_found")
+
+    def encode_prompt(self, prompt: str | list[int], param: str) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            vocab = len(self.tokenizer)
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"{param} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                               param=param)
+            ids = list(prompt)
+        if not ids:
+            raise APIError(400, f"{param} is empty: send at least one token", param=param)
+        return ids
+
+    def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+        text = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages], tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.encode_prompt(self.tokenizer.encode(text, add_special_tokens=False), "messages")
+
+    def budget(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
+        """max_tokens checked against the context window; None means whatever the context leaves."""
+        limit = self.engine.max_model_len
+        room = limit - num_prompt_tokens
+        if max_tokens is None and room > 0:
+            return room
+        if max_tokens is None or num_prompt_tokens + max_tokens > limit:
+            asked = "" if max_tokens is None else f" and max_tokens is {max_tokens}"
+            raise APIError(400, f"the prompt is {num_prompt_tokens} tokens{asked}, but this model's context is "
+                                f"{limit} tokens: shorten the prompt or lower max_tokens", param=param,
+                           code="context_length_exceeded")
+        return max_tokens
+
+    def start(self, prompts: list[list[int]], params: list[SamplingParams]) -> Generation:
+        try:
+            self.driver.admit(len(prompts))
+        except Overloaded:
+            raise APIError(503, f"the server is at capacity ({self.driver.max_in_flight} requests in flight): "
+                                f"retry after {RETRY_AFTER_S} s", kind="server_error", code="overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        gen = Generation(self.driver, self.metrics, prompts, params)
+        gen.launch()
+        return gen
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int) -> SamplingParams:
+    top_k = max(req.top_k, 0)
+    seed = None if req.seed is None else req.seed + choice  # n seeded choices must not be copies
+    params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=top_k, top_p=req.top_p,
+                            seed=seed, stop=req.stop_list(), ignore_eos=req.ignore_eos)
+    try:
+        params.validate()  # refuse here with a 400, not mid-stream
+    except QToolError as e:
+        raise APIError(400, str(e)) from None
+    return params
+
+
+def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_key: str | None = None,
+               max_waiting: int = 256, max_num_seqs: int = 64) -> FastAPI:
+    """An app over `engine`. In-flight requests are bounded by max_num_seqs + max_waiting; past it: 503."""
+    state = ServerState(engine, names=served_model_names or [engine.model_name], api_key=api_key,
+                        max_waiting=max_waiting, max_num_seqs=max_num_seqs)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.driver.start()
+        yield
+        state.driver.stop()
+
+    app = FastAPI(title="qtoolkit", lifespan=lifespan)
+    app.state.qtool = state
+
+    def error_response(err: APIError) -> JSONResponse:
+        state.metrics.rejected.labels(str(err.status)).inc()
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError) -> JSONResponse:
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+        errors = err.errors()
+        first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            detail = first.get("ctx", {}).get("error", "")
+            msg, param = f"the body is not valid JSON ({detail}): send a JSON object", None
+        else:
+            param = ".".join(loc) or "body"
+            msg = f"{param}: {first.get('msg', 'invalid value')}"
+        more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+        return error_response(APIError(400, msg + more, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(err.status_code, str(err.detail), code=str(err.status_code),
+                                       headers=dict(err.headers or {})))
+
+    async def authorize(request: Request) -> None:
+        if state.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
+            raise APIError(401, "invalid API key: send `Authorization: Bearer <key>` with the server's key",
+                           code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = state.driver.alive
+        return JSONResponse({"status": "ok" if ok else "engine thread stopped"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": now(),
+                                            "owned_by": "qtoolkit", "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        state.check_model(req.model)
+        prompts = [state.encode_prompt(p, "prompt") for p in req.prompts()]
+        budgets = [state.budget(len(p), req.max_tokens, "prompt") for p in prompts]
+        expanded = [(p, b) for p, b in zip(prompts, budgets, strict=True) for _ in range(req.n)]
+        params = [sampling_params(req, b, i % req.n) for i, (_, b) in enumerate(expanded)]
+        gen = state.start([p for p, _ in expanded], params)
+        rid, created, model = new_id("cmpl"), now(), state.model_name
+        if req.stream:
+            async def chunks() -> AsyncIterator[str]:
+                try:
+                    async for index, out in gen.events():
+                        if out.new_text or out.finished:
+                            yield sse(completion_chunk(rid, model, index, out.new_text, out.finish_reason, created))
+                    if req.include_usage():
+                        usage = usage_block(gen.num_prompt_tokens, gen.num_completion_tokens)
+                        yield sse(usage_chunk(rid, model, "text_completion", created, usage))
+                    yield sse("[DONE]")
+                except APIError as e:
+                    yield sse(e.body())
+                finally:
+                    gen.close()
+            return EventStream(chunks(), on_close=gen.close)
+        try:
+            if not await gen.collect(request):
+                return Response(status_code=499)  # nobody is listening
+        finally:
+            gen.close()
+        choices = [{"index": i, "text": f.text, "logprobs": None, "finish_reason": f.finish_reason}
+                   for i, f in enumerate(gen.final)]
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                             "choices": choices,
+                             "usage": usage_block(gen.num_prompt_tokens, gen.num_completion_tokens)})
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        state.check_model(req.model)
+        prompt = state.encode_chat(req)
+        budget = state.budget(len(prompt), req.max_new_tokens(), "messages")
+        gen = state.start([prompt] * req.n, [sampling_params(req, budget, i) for i in range(req.n)])
+        rid, created, model = new_id("chatcmpl"), now(), state.model_name
+        if req.stream:
+            async def chunks() -> AsyncIterator[str]:
+                try:
+                    for i in range(req.n):
+                        yield sse(chat_chunk(rid, model, i, {"role": "assistant", "content": ""}, None, created))
+                    async for index, out in gen.events():
+                        if out.new_text:
+                            yield sse(chat_chunk(rid, model, index, {"content": out.new_text}, None, created))
+                        if out.finished:
+                            yield sse(chat_chunk(rid, model, index, {}, out.finish_reason, created))
+                    if req.include_usage():
+                        usage = usage_block(gen.num_prompt_tokens, gen.num_completion_tokens)
+                        yield sse(usage_chunk(rid, model, "chat.completion.chunk", created, usage))
+                    yield sse("[DONE]")
+                except APIError as e:
+                    yield sse(e.body())
+                finally:
+                    gen.close()
+            return EventStream(chunks(), on_close=gen.close)
+        try:
+            if not await gen.collect(request):
+                return Response(status_code=499)
+        finally:
+            gen.close()
+        choices = [{"index": i, "message": {"role": "assistant", "content": f.text}, "logprobs": None,
+                    "finish_reason": f.finish_reason} for i, f in enumerate(gen.final)]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
+                             "choices": choices,
+                             "usage": usage_block(gen.num_prompt_tokens, gen.num_completion_tokens)})
+
+    return app
+
+
+class EventStream(StreamingResponse):
+    """SSE response that runs `on_close` however it ends, even when cancelled before the first chunk."""
+
+    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

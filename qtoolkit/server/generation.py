@@ -1,0 +1,107 @@
+"""One HTTP request's engine requests (prompts x n choices): launch, stream or collect, and always clean up.
+
+Cleanup is the point of this module: whatever ends a request (finish, client disconnect, cancellation, engine
+failure), `close()` aborts the engine requests still running, which frees their KV blocks, and gives the
+admission slots back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+
+from .driver import EngineDriver, EngineFailure
+from .metrics import ServerMetrics
+from .protocol import APIError, new_id
+
+
+class Generation:
+    def __init__(self, driver: EngineDriver, metrics: ServerMetrics, prompts: list[list[int]], params: list[Any]):
+        self.driver, self.metrics = driver, metrics
+        self.prompts, self.params = prompts, params
+        self.num_prompt_tokens = sum(len(p) for p in {tuple(p) for p in prompts})  # a prompt counts once
+        self.request_ids = [new_id("req") for _ in prompts]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.final: list[Any] = [None] * len(prompts)
+        self.num_output_tokens = [0] * len(prompts)
+        self._first_token_at: list[float | None] = [None] * len(prompts)
+        self._started_at = time.monotonic()
+        self._closed = False
+
+    def launch(self) -> None:
+        """Admission must already be granted (driver.admit)."""
+        self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
+        for i, (rid, ids, p) in enumerate(zip(self.request_ids, self.prompts, self.params, strict=True)):
+            self.driver.add(rid, ids, p, self.queue, i)
+
+    @property
+    def done(self) -> bool:
+        return all(f is not None for f in self.final)
+
+    async def events(self) -> AsyncIterator[tuple[int, Any]]:
+        """(choice index, RequestOutput) until every choice finished; an engine failure raises APIError(500)."""
+        while not self.done:
+            index, out = await self.queue.get()
+            if isinstance(out, EngineFailure):
+                if out.status == 400:
+                    raise APIError(400, out.message)
+                raise APIError(500, f"the engine failed on this request: {out.message}", kind="server_error",
+                               code="engine_error")
+            now = time.monotonic()
+            if out.new_token_ids and self._first_token_at[index] is None:
+                self._first_token_at[index] = now
+            self.num_output_tokens[index] = out.num_output_tokens
+            if out.finished:
+                self.final[index] = out
+                first = self._first_token_at[index]
+                self.metrics.record_finished(out.finish_reason or "stop",
+                                             None if first is None else first - self._started_at,
+                                             now - self._started_at, out.num_output_tokens)
+            yield index, out
+
+    async def collect(self, request: Request) -> bool:
+        """Run to completion; False if the client went away first (the caller then just closes)."""
+
+        async def consume() -> None:
+            async for _ in self.events():
+                pass
+
+        consumer = asyncio.create_task(consume())
+        watcher = asyncio.create_task(wait_for_disconnect(request))
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not consumer.done():
+                consumer.cancel()
+        if not consumer.done() or consumer.cancelled():
+            return False
+        consumer.result()  # re-raises an engine failure
+        return True
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(self.num_output_tokens)
+
+    def close(self) -> None:
+        """Abort unfinished engine requests (frees their KV blocks) and release admission. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for rid, fin in zip(self.request_ids, self.final, strict=True):
+            if fin is None:
+                self.driver.abort(rid)
+                self.metrics.finished.labels("abort").inc()
+        self.driver.release(len(self.request_ids))
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return when the client closes the connection (the body was already read, so only disconnect is left)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

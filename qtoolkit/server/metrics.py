@@ -1,0 +1,81 @@
+"""Prometheus metrics for the server, in a registry of its own (several apps can live in one process)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Buckets sized for a CPU engine: first tokens take tens of ms to seconds, a token 5 ms to a second.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_RATE_WINDOW_S = 10.0
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("qtool_requests_running", "Requests the engine is running", registry=r)
+        self.waiting = Gauge("qtool_requests_waiting", "Requests queued in the engine", registry=r)
+        self.in_flight = Gauge("qtool_requests_in_flight", "Admitted requests not yet finished", registry=r)
+        self.kv_used = Gauge("qtool_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_free = Gauge("qtool_kv_blocks_free", "KV cache blocks free", registry=r)
+        self.kv_total = Gauge("qtool_kv_blocks_total", "KV cache blocks in total", registry=r)
+        self.preemptions = Gauge("qtool_preemptions", "Sequences preempted since start", registry=r)
+        self.tokens_per_s = Gauge("qtool_generation_tokens_per_second",
+                                  f"Generated tokens per second over the last {_RATE_WINDOW_S:.0f} s", registry=r)
+        self.tokens_per_s.set_function(self._recent_rate)
+        self.prompt_tokens = Counter("qtool_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("qtool_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("qtool_requests_finished", "Finished requests by reason", ["finish_reason"],
+                                registry=r)
+        self.rejected = Counter("qtool_requests_rejected", "Requests answered with an error, by status",
+                                ["status"], registry=r)
+        self.ttft = Histogram("qtool_time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("qtool_time_per_output_token_seconds", "Mean time per output token after the first",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("qtool_e2e_request_latency_seconds", "Request latency", buckets=_E2E_BUCKETS,
+                             registry=r)
+        self._recent: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()  # the engine thread appends, the scrape reads
+
+    def record_step(self, new_tokens: int, stats: dict[str, Any]) -> None:
+        """Called by the engine thread after each step."""
+        if new_tokens:
+            self.generation_tokens.inc(new_tokens)
+            with self._lock:
+                self._recent.append((time.monotonic(), new_tokens))
+        self.record_stats(stats)
+
+    def record_stats(self, stats: dict[str, Any]) -> None:
+        self.running.set(stats.get("num_running", 0))
+        self.waiting.set(stats.get("num_waiting", 0))
+        self.kv_used.set(stats.get("kv_blocks_used", 0))
+        self.kv_free.set(stats.get("kv_blocks_free", 0))
+        self.kv_total.set(stats.get("kv_blocks_total", 0))
+        self.preemptions.set(stats.get("num_preemptions", 0))
+
+    def record_finished(self, finish_reason: str, ttft: float | None, latency: float, num_tokens: int) -> None:
+        self.finished.labels(finish_reason).inc()
+        self.e2e.observe(latency)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            if num_tokens > 1:
+                self.tpot.observe((latency - ttft) / (num_tokens - 1))
+
+    def _recent_rate(self) -> float:
+        cutoff = time.monotonic() - _RATE_WINDOW_S
+        with self._lock:
+            while self._recent and self._recent[0][0] < cutoff:
+                self._recent.popleft()
+            total = sum(n for _, n in self._recent)
+        return total / _RATE_WINDOW_S
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

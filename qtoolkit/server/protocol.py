@@ -1,0 +1,155 @@
+"""OpenAI-compatible request and response shapes, and the OpenAI error JSON.
+
+Requests are validated by pydantic, so a wrong type or out-of-range value becomes a 400 naming the field.
+Unknown fields are ignored (clients send many optional ones); fields we cannot honour are refused.
+`ignore_eos` and `top_k` are extensions with vLLM's names, so one load generator drives both servers.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_CHOICES = 16
+
+
+class APIError(Exception):
+    """An error answered as OpenAI error JSON with an HTTP status; never disturbs other requests."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # 0 or -1: disabled (vLLM uses -1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    logprobs: Any = None
+    best_of: int | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: Any) -> Any:
+        if v not in (None, False, 0):
+            raise ValueError("logprobs are not supported by this server: leave the field out")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError("best_of > 1 is not supported: use n for several samples")
+        return v
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, gt=0)  # OpenAI's default for completions
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported: leave the field out")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix (fill-in-the-middle) is not supported: leave the field out")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one string or token list, or a batch of them."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p) if p else [p]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_dict(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, gt=0)  # None: the rest of the context, as vLLM does
+    max_completion_tokens: int | None = Field(None, gt=0)
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage_block(prompt_tokens: int, completion_tokens: int, **extra: Any) -> dict[str, Any]:
+    """OpenAI usage; `extra` carries extensions (e.g. speculative-decoding acceptance stats)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, **extra}
+
+
+def completion_chunk(rid: str, model: str, index: int, text: str, finish_reason: str | None,
+                     created: int) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def chat_chunk(rid: str, model: str, index: int, delta: dict[str, str], finish_reason: str | None,
+               created: int) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, model: str, obj: str, created: int, usage: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+
+
+def now() -> int:
+    return int(time.time())
