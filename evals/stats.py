@@ -69,58 +69,74 @@ def _mean_pm(x: np.ndarray) -> list[float]:
     return [float(x.mean()), float(x.std(ddof=1) / math.sqrt(x.size))]
 
 
-def token_item_record(logp_candidate, logp_baseline, targets) -> dict[str, Any]:
-    """Per-item sufficient statistics from two [T, vocab] log-softmax tensors and the T next tokens.
+def token_item_record(target_c, target_b, logprobs_c=None, logprobs_b=None, top1_c=None, top1_b=None
+                      ) -> dict[str, Any]:
+    """Per-item per-token values from teacher-forced scores of the same tokens by candidate and baseline.
 
-    Works on torch tensors; returns plain lists so it can go straight into the results JSON.
+    `target_*`: log p of each actual next token [T]; `logprobs_*`: full log-softmax [T, vocab] (KLD needs
+    both); `top1_*`: argmax token per position. Returns plain lists, ready for the results JSON.
     KL(baseline || candidate) per position, as llama.cpp's --kl-divergence computes it.
     """
     import torch
 
-    lc, lb = logp_candidate.float(), logp_baseline.float()
-    t = torch.as_tensor(targets, dtype=torch.long).view(-1, 1)
-    kld = (lb.exp() * (lb - lc)).sum(-1).clamp_min(0.0)
-    nll_c, nll_b = -lc.gather(1, t).squeeze(1), -lb.gather(1, t).squeeze(1)
-    return {"tokens": int(t.numel()), "kld": [float(f"{x:.5g}") for x in kld.tolist()],
-            "nll_candidate": [float(f"{x:.6g}") for x in nll_c.tolist()],
-            "nll_baseline": [float(f"{x:.6g}") for x in nll_b.tolist()],
-            "same_top1": (lc.argmax(-1) == lb.argmax(-1)).int().tolist()}
+    def short(xs: list[float], digits: int) -> list[float]:
+        return [float(f"{x:.{digits}g}") for x in xs]
+
+    rec: dict[str, Any] = {"tokens": int(target_c.numel()),
+                           "nll_candidate": short((-target_c.float()).tolist(), 6),
+                           "nll_baseline": short((-target_b.float()).tolist(), 6)}
+    if logprobs_c is not None and logprobs_b is not None:
+        lc, lb = logprobs_c.float(), logprobs_b.float()
+        rec["kld"] = short((lb.exp() * (lb - lc)).sum(-1).clamp_min(0.0).tolist(), 5)
+        top1_c, top1_b = lc.argmax(-1), lb.argmax(-1)
+    if top1_c is not None and top1_b is not None:
+        rec["same_top1"] = (torch.as_tensor(top1_c) == torch.as_tensor(top1_b)).int().tolist()
+    return rec
 
 
 def token_stats(records: list[dict[str, Any]], *, seed: int) -> dict[str, Any]:
-    """llama.cpp-style statistics over all tokens of all items, plus item-bootstrap CIs of the means."""
+    """llama.cpp-style statistics over all tokens of all items, plus item-bootstrap CIs of the means.
+
+    KLD needs full distributions on both sides and same-top-1 needs top-1 tokens; whatever the backends
+    could not give is listed under `not_computed` instead of being guessed.
+    """
     records = [r for r in records if r.get("tokens")]
     if not records:
         return {"items": 0, "tokens": 0}
-    cat = {k: np.concatenate([np.asarray(r[k], dtype=np.float64) for r in records])
-           for k in ("kld", "nll_candidate", "nll_baseline", "same_top1")}
     w = np.array([r["tokens"] for r in records], dtype=np.float64)
-    dnll = cat["nll_candidate"] - cat["nll_baseline"]
-    dp = np.exp(-cat["nll_candidate"]) - np.exp(-cat["nll_baseline"])
-    ln_ratio = _mean_pm(dnll)
+    nll_c = np.concatenate([np.asarray(r["nll_candidate"], dtype=np.float64) for r in records])
+    nll_b = np.concatenate([np.asarray(r["nll_baseline"], dtype=np.float64) for r in records])
+    dp = np.exp(-nll_c) - np.exp(-nll_b)
+    ln_ratio = _mean_pm(nll_c - nll_b)
     ratio = math.exp(ln_ratio[0])
-    top1 = float(cat["same_top1"].mean())
-    kld = cat["kld"]
 
-    def per_item(fn) -> list[float]:
-        return [float(fn(r)) for r in records]
+    def item_means(fn) -> list[float]:
+        return [float(np.mean(fn(r))) for r in records]
 
-    item_kld = per_item(lambda r: np.mean(r["kld"]))
-    item_dnll = per_item(lambda r: np.mean(np.subtract(r["nll_candidate"], r["nll_baseline"])))
-    item_dp = per_item(lambda r: np.mean(np.exp(-np.asarray(r["nll_candidate"])) - np.exp(-np.asarray(r["nll_baseline"]))))
-    item_top1 = per_item(lambda r: np.mean(r["same_top1"]))
-    ln_ci = bootstrap_ci(item_dnll, w, seed=seed)
-    return {
-        "items": len(records), "tokens": int(kld.size),
-        "ppl_candidate": math.exp(cat["nll_candidate"].mean()), "ppl_baseline": math.exp(cat["nll_baseline"].mean()),
-        "mean_nll_candidate": float(cat["nll_candidate"].mean()), "mean_nll_baseline": float(cat["nll_baseline"].mean()),
+    ln_ci = bootstrap_ci(item_means(lambda r: np.subtract(r["nll_candidate"], r["nll_baseline"])), w, seed=seed)
+    item_dp = item_means(lambda r: np.exp(-np.asarray(r["nll_candidate"])) - np.exp(-np.asarray(r["nll_baseline"])))
+    out: dict[str, Any] = {
+        "items": len(records), "tokens": int(nll_c.size),
+        "ppl_candidate": math.exp(nll_c.mean()), "ppl_baseline": math.exp(nll_b.mean()),
+        "mean_nll_candidate": float(nll_c.mean()), "mean_nll_baseline": float(nll_b.mean()),
         "ln_ppl_ratio": {"mean_pm": ln_ratio, "ci95": ln_ci},
         "ppl_ratio": {"mean_pm": [ratio, ratio * ln_ratio[1]], "ci95": [math.exp(x) for x in ln_ci]},
-        "kld": {"mean_pm": _mean_pm(kld), "ci95": bootstrap_ci(item_kld, w, seed=seed + 1),
-                "median": float(np.median(kld)), "p90": float(np.quantile(kld, 0.90)),
-                "p99": float(np.quantile(kld, 0.99)), "max": float(kld.max())},
         "delta_p": {"mean_pm": _mean_pm(dp), "ci95": bootstrap_ci(item_dp, w, seed=seed + 2),
                     "rms": float(np.sqrt((dp ** 2).mean()))},
-        "same_top1": {"mean_pm": [top1, math.sqrt(top1 * (1 - top1) / kld.size)],
-                      "ci95": bootstrap_ci(item_top1, w, seed=seed + 3)},
+        "not_computed": [],
     }
+    if all("kld" in r for r in records):
+        kld = np.concatenate([np.asarray(r["kld"], dtype=np.float64) for r in records])
+        out["kld"] = {"mean_pm": _mean_pm(kld), "ci95": bootstrap_ci(item_means(lambda r: r["kld"]), w, seed=seed + 1),
+                      "median": float(np.median(kld)), "p90": float(np.quantile(kld, 0.90)),
+                      "p99": float(np.quantile(kld, 0.99)), "max": float(kld.max())}
+    else:
+        out["not_computed"].append("kld (needs full next-token distributions from both models)")
+    if all("same_top1" in r for r in records):
+        same = np.concatenate([np.asarray(r["same_top1"], dtype=np.float64) for r in records])
+        top1 = float(same.mean())
+        out["same_top1"] = {"mean_pm": [top1, math.sqrt(top1 * (1 - top1) / same.size)],
+                            "ci95": bootstrap_ci(item_means(lambda r: r["same_top1"]), w, seed=seed + 3)}
+    else:
+        out["not_computed"].append("same_top1 (needs top-1 tokens from both models)")
+    return out

@@ -1,0 +1,97 @@
+"""The `code` task: HumanEval, executed in the sandbox, plus signals that still move when pass@1 is ~0.
+
+Per problem and model: greedy pass@1 (and unbiased pass@k from `samples` sampled completions), the mean NLL
+of the canonical solution given the prompt, and whether the candidate's greedy completion equals the
+baseline's. The token-level KLD statistics run over the code text (prompt + canonical solution).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backend import Backend, GenParams
+from .data import humaneval_problems
+from .sandbox import Limits, run_program
+from .stats import paired_delta, pass_at_k, token_stats
+from .task import compare_scored, join_tokens
+
+# Completion ends where a new top-level statement starts (the stop set of the Codex paper).
+DEFAULT_LIMITS = Limits()
+STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert "]
+
+
+def program(problem: dict[str, Any], completion: str) -> str:
+    return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+def execute(problem: dict[str, Any], completion: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    r = run_program(program(problem, completion), limits)
+    return {"passed": r.passed, "status": r.status, "error": "" if r.passed else r.stderr[-300:]}
+
+
+class CodeTask:
+    name = "code"
+    default_limit = 20
+    batch_size = 8
+
+    def __init__(self, max_tokens: int = 256, samples: int = 1, temperature: float = 0.8, seed: int = 0,
+                 timeout_s: float = 10.0, **_: Any):
+        self.max_tokens, self.samples, self.temperature, self.seed = max_tokens, samples, temperature, seed
+        self.limits = Limits(wall_s=timeout_s, cpu_s=max(1, int(timeout_s)))
+
+    def settings(self) -> dict[str, Any]:
+        return {"max_tokens": self.max_tokens, "samples": self.samples, "temperature": self.temperature,
+                "seed": self.seed, "stop": STOP}
+
+    def items(self, limit: int) -> list[dict[str, Any]]:
+        return [dict(p, id=p["task_id"]) for p in humaneval_problems()[:limit]]
+
+    def _side(self, backend: Backend, problems: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        prompts = [p["prompt"] for p in problems]
+        greedy = backend.generate(prompts, GenParams(self.max_tokens, 0.0, STOP, self.seed))
+        sides = []
+        for p, g in zip(problems, greedy, strict=True):
+            sides.append({"completion": g.text, "finish_reason": g.finish_reason, **execute(p, g.text, self.limits)})
+        if self.samples > 1:
+            for j in range(self.samples):
+                params = GenParams(self.max_tokens, self.temperature, STOP, self.seed + 1 + j)
+                for side, p, g in zip(sides, problems, backend.generate(prompts, params), strict=True):
+                    side.setdefault("sample_passed", []).append(execute(p, g.text, self.limits)["passed"])
+        return sides
+
+    def run_batch(self, items: list[dict[str, Any]], candidate: Backend, baseline: Backend) -> list[dict]:
+        cand, base = self._side(candidate, items), self._side(baseline, items)
+        tok = candidate.tokenizer
+        joined = [join_tokens(tok, p["prompt"], p["canonical_solution"]) for p in items]
+        texts = compare_scored(candidate, baseline, [ids for ids, _ in joined], [0] * len(joined))
+        records = []
+        for p, c, b, (ids, start), t in zip(items, cand, base, joined, texts, strict=True):
+            sol = slice(start - 1, len(ids) - 1)  # predictions of the solution's tokens
+            records.append({
+                "id": p["id"], "candidate": c, "baseline": b,
+                "agree_exact": c["completion"].rstrip() == b["completion"].rstrip(),
+                "solution_tokens": len(ids) - start,
+                "nll_solution_candidate": sum(t["nll_candidate"][sol]) / max(len(ids) - start, 1),
+                "nll_solution_baseline": sum(t["nll_baseline"][sol]) / max(len(ids) - start, 1),
+                "token_record": t,
+            })
+        return records
+
+    def summarize(self, records: list[dict[str, Any]], *, seed: int) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "pass@1": paired_delta([r["candidate"]["passed"] for r in records],
+                                   [r["baseline"]["passed"] for r in records], seed=seed),
+            "nll_canonical_solution": paired_delta(
+                [r["nll_solution_candidate"] for r in records], [r["nll_solution_baseline"] for r in records],
+                [r["solution_tokens"] for r in records], seed=seed + 10),
+            "greedy_agreement": {"rate": sum(r["agree_exact"] for r in records) / max(len(records), 1),
+                                 "items": len(records)},
+            "text_stats": token_stats([r["token_record"] for r in records], seed=seed + 20),
+        }
+        if self.samples > 1:
+            for k in sorted({1, min(10, self.samples), self.samples}):
+                def est(side: str, k: int = k) -> list[float]:
+                    return [pass_at_k(len(r[side]["sample_passed"]), sum(r[side]["sample_passed"]), k)
+                            for r in records]
+                out[f"sampled_pass@{k}"] = paired_delta(est("candidate"), est("baseline"), seed=seed + 30 + k)
+        return out

@@ -1,0 +1,125 @@
+"""`evaluate()`: the Python API behind `qtool eval` — run tasks on candidate and baseline, write results.
+
+Both models see the same items in the same batches; every delta is paired per item. Models are loaded only
+when some item is still unfinished, so rerunning a finished evaluation just rebuilds the summary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from qtoolkit.errors import QToolError
+from qtoolkit.progress import bar, status
+
+from .backend import Backend, make_backend
+from .results import ResultsFile
+from .task import check_same_vocabulary, make_task, parse_tasks
+
+
+@dataclass
+class EvalConfig:
+    model: str | None
+    baseline: str | None
+    tasks: str = "code,summarization,perplexity"
+    output: str = "eval.json"
+    limit: int | None = None
+    backend: str = "engine"
+    endpoint: str | None = None
+    baseline_endpoint: str | None = None
+    seed: int = 0
+    overwrite: bool = False
+    task_options: dict[str, Any] = field(default_factory=dict)
+
+
+def model_identity(spec: str | None, endpoint: str | None, backend: str) -> dict[str, Any]:
+    """What makes two runs comparable: the weights' hash (or the endpoint) and the backend."""
+    if endpoint:
+        return {"endpoint": endpoint, "tokenizer": spec}
+    from qtoolkit.sources import resolve_model
+
+    src = resolve_model(spec) if spec is not None else None
+    return {"backend": backend, "spec": spec, "sha256": src.sha256 if src else None}
+
+
+class _LazyPair:
+    """Candidate and baseline backends, built on first use."""
+
+    def __init__(self, cfg: EvalConfig):
+        self.cfg = cfg
+        self.pair: tuple[Backend, Backend] | None = None
+
+    def get(self) -> tuple[Backend, Backend]:
+        if self.pair is None:
+            c = self.cfg
+            status("loading candidate and baseline models")
+            cand = make_backend(c.model, kind=c.backend, endpoint=c.endpoint, tokenizer_from=c.model or c.baseline)
+            base = make_backend(c.baseline, kind=c.backend, endpoint=c.baseline_endpoint,
+                                tokenizer_from=c.baseline or c.model)
+            check_same_vocabulary(cand, base)
+            self.pair = (cand, base)
+        return self.pair
+
+
+def evaluate(cfg: EvalConfig) -> dict[str, Any]:
+    names = parse_tasks(cfg.tasks)
+    if cfg.limit is not None and cfg.limit <= 0:
+        raise QToolError(f"--limit must be a positive number of items, got {cfg.limit}")
+    if cfg.model is None and cfg.endpoint is None:
+        raise QToolError("no candidate: pass --model M (or --endpoint URL)")
+    if cfg.baseline is None and cfg.baseline_endpoint is None:
+        raise QToolError("no baseline: pass --baseline B (or --baseline-endpoint URL)")
+    identities = {"candidate": model_identity(cfg.model, cfg.endpoint, cfg.backend),
+                  "baseline": model_identity(cfg.baseline, cfg.baseline_endpoint, cfg.backend)}
+    store = ResultsFile(cfg.output, overwrite=cfg.overwrite,
+                        inputs={"models": identities, "tasks": names, "limit": cfg.limit, "seed": cfg.seed})
+    models = _LazyPair(cfg)
+    for name in names:
+        task = make_task(name, seed=cfg.seed, **cfg.task_options)
+        items = task.items(cfg.limit or task.default_limit)
+        done = store.begin(name, {"models": identities, "settings": task.settings()})
+        todo = [it for it in items if it["id"] not in done]
+        with bar(total=len(items), initial=len(items) - len(todo), desc=name, unit="item") as progress:
+            for start in range(0, len(todo), task.batch_size):
+                batch = todo[start:start + task.batch_size]
+                store.add(name, task.run_batch(batch, *models.get()))
+                progress.update(len(batch))
+        records = [done[it["id"]] for it in items]
+        summary = task.summarize(records, seed=cfg.seed)
+        store.finish(name, summary, [it["id"] for it in items])
+        pair = models.pair
+        if pair is not None:
+            store.data["models"] = {"candidate": pair[0].describe(), "baseline": pair[1].describe()}
+    store.save()
+    return store.data
+
+
+def summary_lines(results: dict[str, Any]) -> list[str]:
+    """A few human-readable lines per task for the terminal."""
+    lines = []
+    for name, entry in results.get("tasks", {}).items():
+        lines.append(f"{name}: {entry.get('items', 0)} items")
+        for metric, v in (entry.get("summary") or {}).items():
+            if isinstance(v, dict) and v.get("delta") is not None:
+                ci = v["ci95"]
+                lines.append(f"  {metric}: candidate {v['candidate']:.4f} baseline {v['baseline']:.4f} "
+                             f"delta {v['delta']:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}]")
+            elif isinstance(v, dict) and "ppl_ratio" in v:
+                lines.append(f"  {metric}: {_token_line(v)}")
+            elif isinstance(v, dict) and "rate" in v:
+                lines.append(f"  {metric}: {v['rate']:.3f}")
+    return lines
+
+
+def _token_line(v: dict[str, Any]) -> str:
+    r = v["ppl_ratio"]
+    parts = [f"PPL ratio {r['mean_pm'][0]:.4f} ± {r['mean_pm'][1]:.4f}"]
+    if "kld" in v:
+        k = v["kld"]
+        parts.append(f"KLD {k['mean_pm'][0]:.5f} ± {k['mean_pm'][1]:.5f} "
+                     f"[CI {k['ci95'][0]:.5f}, {k['ci95'][1]:.5f}], p99 {k['p99']:.4f}")
+    if "same_top1" in v:
+        parts.append(f"same top-1 {v['same_top1']['mean_pm'][0]:.3f}")
+    if v.get("not_computed"):
+        parts.append("not computed: " + "; ".join(v["not_computed"]))
+    return ", ".join(parts) + f" ({v['tokens']} tokens)"

@@ -1,0 +1,94 @@
+"""What every task is, the task registry, and the teacher-forced comparison shared by all tasks.
+
+A task is a list of items (each with a stable `id`) and a function that turns a batch of items into one
+JSON record per item, given a candidate and a baseline backend. Records are all that is kept: the summary
+is recomputed from them, so a resumed run and an uninterrupted one report the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from qtoolkit.errors import QToolError
+
+from .backend import Backend
+from .stats import token_item_record
+
+
+class TaskError(QToolError):
+    """Unknown task name or task options that cannot work."""
+
+
+class Task(Protocol):
+    name: str
+    default_limit: int
+    batch_size: int
+
+    def items(self, limit: int) -> list[dict[str, Any]]: ...
+
+    def run_batch(self, items: list[dict[str, Any]], candidate: Backend, baseline: Backend) -> list[dict]: ...
+
+    def summarize(self, records: list[dict[str, Any]], *, seed: int) -> dict[str, Any]: ...
+
+    def settings(self) -> dict[str, Any]: ...
+
+
+TASK_NAMES = ("code", "summarization", "perplexity")
+
+
+def make_task(name: str, **options: Any) -> Task:
+    if name == "code":
+        from .code import CodeTask
+
+        return CodeTask(**options)
+    if name == "summarization":
+        from .summarization import SummarizationTask
+
+        return SummarizationTask(**options)
+    if name == "perplexity":
+        from .perplexity import PerplexityTask
+
+        return PerplexityTask(**options)
+    raise TaskError(f"unknown task {name!r}: choose from {', '.join(TASK_NAMES)}")
+
+
+def parse_tasks(spec: str) -> list[str]:
+    names = [t.strip() for t in spec.split(",") if t.strip()]
+    if not names:
+        raise TaskError(f"no task in {spec!r}: choose from {', '.join(TASK_NAMES)}")
+    for n in names:
+        if n not in TASK_NAMES:
+            raise TaskError(f"unknown task {n!r}: choose from {', '.join(TASK_NAMES)}")
+    return list(dict.fromkeys(names))
+
+
+def check_same_vocabulary(candidate: Backend, baseline: Backend) -> None:
+    """Token-level comparisons need one tokenization for both models."""
+    if candidate.tokenizer.get_vocab() != baseline.tokenizer.get_vocab():
+        raise TaskError("candidate and baseline use different tokenizers: token-level comparison needs "
+                        "the same vocabulary (compare a quantized model with its own baseline)")
+
+
+def compare_scored(candidate: Backend, baseline: Backend, sequences: list[list[int]],
+                   starts: list[int]) -> list[dict[str, Any]]:
+    """Teacher-forced per-token comparison of `sequences`, from token `starts[i]` on (0 = whole text).
+
+    Returns one token record per sequence (see stats.token_item_record) covering the predictions of
+    tokens starts[i]..T-1.
+    """
+    sc, sb = candidate.score(sequences), baseline.score(sequences)
+    out = []
+    for c, b, start in zip(sc, sb, starts, strict=True):
+        lo = max(start - 1, 0)  # row i of a Scored predicts token i+1
+        out.append(token_item_record(
+            c.target[lo:], b.target[lo:],
+            None if c.logprobs is None else c.logprobs[lo:], None if b.logprobs is None else b.logprobs[lo:],
+            None if c.top1 is None else c.top1[lo:], None if b.top1 is None else b.top1[lo:]))
+    return out
+
+
+def join_tokens(tokenizer, head: str, tail: str, *, special: bool = True) -> tuple[list[int], int]:
+    """Token ids of head+tail with an exact boundary: (ids, index of tail's first token)."""
+    h = tokenizer(head, add_special_tokens=special).input_ids
+    t = tokenizer(tail, add_special_tokens=False).input_ids
+    return h + t, len(h)
