@@ -27,7 +27,7 @@ def _no_zeros(zeros: torch.Tensor | None) -> torch.Tensor:
 
 def int4_fast_ok(k: int, group: int) -> bool:
     """Whether the AVX2 INT4 kernel can read this shape (64-element chunks, 32-element activation blocks)."""
-    return k % 64 == 0 and group % 32 == 0 and k % group == 0
+    return k % 64 == 0 and (group == 32 or group % 64 == 0) and k % group == 0
 
 
 def int8_fast_ok(k: int, group: int) -> bool:

@@ -20,6 +20,9 @@ struct QuantizedActivations {
   std::vector<int8_t> q;      // [M, K]
   std::vector<float> d;       // [M, K/32] block scales
   std::vector<float> dsum;    // [M, K/32] block scale * sum of the block's int8 values (for the weight offset)
+  // INT4 only, per 64-chunk as 8 lanes matching the kernel's lanes (0-3: first block, 4-7: second block):
+  std::vector<float> dvec;    // [M, K/64, 8] block scales
+  std::vector<float> dsq;     // [M, K/64, 8] dsum / 4 (each block's term is summed over 4 lanes)
 };
 
 QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, bool nibble_order) {
@@ -49,6 +52,16 @@ QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, 
       a.dsum[m * nb + b] = d * static_cast<float>(sum);
     }
   }
+  if (nibble_order) {
+    a.dvec.resize(M * nb * 4);
+    a.dsq.resize(M * nb * 4);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < nb; ++b)
+        for (int l = 0; l < 4; ++l) {
+          a.dvec[(m * nb + b) * 4 + l] = a.d[m * nb + b];
+          a.dsq[(m * nb + b) * 4 + l] = a.dsum[m * nb + b] * 0.25f;
+        }
+  }
   return a;
 }
 
@@ -60,46 +73,73 @@ inline float hsum(__m256 v) {
 }
 
 // MB activation rows against one weight row. ws/zp: this row's group scales and (optional) zero points.
-template <int MB>
+// Per 64 weights: one load, three ops to split nibbles, then per activation row two vpmaddubsw, one vpmaddwd and
+// three float ops. The +8 (or +8+zp) nibble offset is applied as -offset * block_scale * sum(x_q), folded into
+// the same FMA chain. GROUP32 picks two scales per chunk; otherwise one scale covers group/64 chunks.
+template <int MB, bool GROUP32, bool ASYM>
 inline void int4_row(const uint8_t* w, const float* ws, const int8_t* zp, int64_t K, int64_t group,
                      const QuantizedActivations& a, int64_t m0, float* out, int64_t out_stride) {
-  const int64_t nb = K / 32, nchunk = K / 64, blocks_per_group = group / 32;
+  const int64_t nchunk = K / 64, chunks_per_group = GROUP32 ? 1 : group / 64;
   const __m256i low_mask = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i dup = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   __m256 acc[MB];
-  float corr[MB];
-  for (int i = 0; i < MB; ++i) { acc[i] = _mm256_setzero_ps(); corr[i] = 0.f; }
-  for (int64_t c = 0; c < nchunk; ++c) {
+  for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+  const float* dvec[MB];
+  const float* dsq[MB];
+  const int8_t* xq[MB];
+  for (int i = 0; i < MB; ++i) {
+    dvec[i] = a.dvec.data() + (m0 + i) * nchunk * 8;
+    dsq[i] = a.dsq.data() + (m0 + i) * nchunk * 8;
+    xq[i] = a.q.data() + (m0 + i) * K;
+  }
+  __m256 wscale = _mm256_setzero_ps(), neg_off = _mm256_set1_ps(-8.f);
+  for (int64_t c = 0, left = 0, g = 0; c < nchunk; ++c, --left) {
+    if (GROUP32) {  // scales of blocks 2c and 2c+1, each over 4 lanes
+      const __m128 pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(ws + 2 * c)));
+      wscale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), dup);
+      if (ASYM) neg_off = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(
+          -8.f - zp[2 * c], -8.f - zp[2 * c + 1], 0.f, 0.f)), dup);
+    } else if (left == 0) {  // next group: one scale for the next group/64 chunks
+      wscale = _mm256_set1_ps(ws[g]);
+      if (ASYM) neg_off = _mm256_set1_ps(-8.f - zp[g]);
+      left = chunks_per_group;
+      ++g;
+    }
     const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
     const __m256i lo = _mm256_and_si256(packed, low_mask);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask);
-    const int64_t g0 = (2 * c) / blocks_per_group, g1 = (2 * c + 1) / blocks_per_group;
-    const float s0 = ws[g0], s1 = ws[g1];
-    // offset of the unsigned nibble: 8 (symmetric) or 8 + zero point (asymmetric)
-    const float o0 = s0 * (8.f + (zp ? zp[g0] : 0)), o1 = s1 * (8.f + (zp ? zp[g1] : 0));
-    const __m256 wscale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(s0, s1, 0.f, 0.f)), dup);
     for (int i = 0; i < MB; ++i) {
-      const int64_t m = m0 + i;
-      const int8_t* xq = a.q.data() + m * K + c * 64;
-      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + c * 64));
+      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + c * 64 + 32));
       const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));  // lanes 0-3 block 2c, 4-7 block 2c+1
-      const float* d = a.d.data() + m * nb + 2 * c;
-      const __m256 xscale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(d[0], d[1], 0.f, 0.f)), dup);
-      acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(wscale, xscale), acc[i]);
-      const float* ds = a.dsum.data() + m * nb + 2 * c;
-      corr[i] += o0 * ds[0] + o1 * ds[1];
+      // (dot * x_scale - offset * x_scale * sum(x_q) / 4) * w_scale
+      const __m256 t = _mm256_fmadd_ps(neg_off, _mm256_loadu_ps(dsq[i] + c * 8),
+                                       _mm256_mul_ps(dot, _mm256_loadu_ps(dvec[i] + c * 8)));
+      acc[i] = _mm256_fmadd_ps(t, wscale, acc[i]);
     }
   }
-  for (int i = 0; i < MB; ++i) out[i * out_stride] = hsum(acc[i]) - corr[i];
+  for (int i = 0; i < MB; ++i) out[i * out_stride] = hsum(acc[i]);
+}
+
+template <int MB>
+inline void int4_row_any(const uint8_t* w, const float* ws, const int8_t* zp, int64_t K, int64_t group,
+                         const QuantizedActivations& a, int64_t m0, float* out, int64_t out_stride) {
+  if (group == 32) {
+    if (zp) int4_row<MB, true, true>(w, ws, zp, K, group, a, m0, out, out_stride);
+    else int4_row<MB, true, false>(w, ws, zp, K, group, a, m0, out, out_stride);
+  } else {
+    if (zp) int4_row<MB, false, true>(w, ws, zp, K, group, a, m0, out, out_stride);
+    else int4_row<MB, false, false>(w, ws, zp, K, group, a, m0, out, out_stride);
+  }
 }
 
 void check_int4_args(const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& zeros,
                      int64_t K, int64_t group) {
   TORCH_CHECK(packed.dtype() == torch::kInt32 && packed.is_contiguous(), "packed must be contiguous int32");
-  TORCH_CHECK(K % 64 == 0 && group % 32 == 0 && K % group == 0, "need K % 64 == 0 and group % 32 == 0");
+  TORCH_CHECK(K % 64 == 0 && (group == 32 || group % 64 == 0) && K % group == 0,
+              "need K % 64 == 0 and group 32 or a multiple of 64 dividing K");
   TORCH_CHECK(packed.size(1) * 8 == K, "packed width does not match K");
   TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.size(1) == K / group,
               "scales must be contiguous fp32 [N, K/group]");
@@ -129,8 +169,9 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
       const float* sr = s + n * G;
       const int8_t* zr = z ? z + n * G : nullptr;
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4) int4_row<4>(wr, sr, zr, K, group, a, m, out + m * N + n, N);
-      for (; m < M; ++m) int4_row<1>(wr, sr, zr, K, group, a, m, out + m * N + n, N);
+      for (; m + 4 <= M; m += 4) int4_row_any<4>(wr, sr, zr, K, group, a, m, out + m * N + n, N);
+      for (; m + 2 <= M; m += 2) int4_row_any<2>(wr, sr, zr, K, group, a, m, out + m * N + n, N);
+      for (; m < M; ++m) int4_row_any<1>(wr, sr, zr, K, group, a, m, out + m * N + n, N);
     }
   });
   return y;
