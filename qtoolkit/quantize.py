@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,6 +185,11 @@ def quantize(model: str | os.PathLike = "default", recipe: str | os.PathLike = "
     t = time.perf_counter()
     if r.method != "bnb":
         from llmcompressor import oneshot
+        from loguru import logger
+
+        # llm-compressor logs INFO lines to stdout; keep stdout for our JSON summary and show warnings only.
+        logger.remove()
+        logger.add(sys.stderr, level="WARNING")
 
         kwargs: dict[str, Any] = {}
         if r.calibration is not None:
