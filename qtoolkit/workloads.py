@@ -1,0 +1,88 @@
+"""Benchmark workloads: real prompts (HumanEval code, ACLSum abstracts) with seeded output lengths and arrivals.
+
+Prompts come from the packaged data sets, never the network. Output lengths are drawn per request from a
+lognormal (long-tailed, like real traffic) and sent as `max_tokens` with EOS ignored, so every system under test
+generates exactly the same number of tokens for the same request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+
+from .errors import DataError
+from .evals.data import aclsum_items, humaneval_problems
+
+WORKLOADS = ("code", "summarization", "mixed")
+# Code completions run longer than one-sentence summaries; the mixed workload averages to the requested mean.
+_LENGTH_FACTOR = {"code": 1.25, "summarization": 0.75}
+_LENGTH_SIGMA = 0.6
+_MIN_OUTPUT_TOKENS = 4
+
+SUMMARY_INSTRUCTION = "Summarize the outcome of the following paper abstract in one sentence."
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    index: int
+    kind: str  # "code" | "summarization"
+    prompt: str
+    max_tokens: int
+
+
+@cache
+def code_prompts() -> tuple[str, ...]:
+    """HumanEval function stubs (the raw completion prompts)."""
+    return tuple(p["prompt"] for p in humaneval_problems())
+
+
+@cache
+def summarization_prompts(split: str = "test") -> tuple[str, ...]:
+    """ACLSum abstracts wrapped in a one-sentence summary instruction."""
+    return tuple(f"{SUMMARY_INSTRUCTION}\n\nAbstract: {d['abstract']}\n\nSummary:" for d in aclsum_items(split))
+
+
+def output_lengths(kind: str, n: int, rng: np.random.Generator, mean_tokens: int, max_tokens: int) -> list[int]:
+    """Lognormal output lengths with the given mean for this kind, clipped to [4, max_tokens]."""
+    mean = mean_tokens * _LENGTH_FACTOR[kind]
+    mu = math.log(mean) - _LENGTH_SIGMA**2 / 2  # a lognormal's mean is exp(mu + sigma^2 / 2)
+    draws = rng.lognormal(mu, _LENGTH_SIGMA, size=n)
+    return [int(min(max(round(x), _MIN_OUTPUT_TOKENS), max_tokens)) for x in draws]
+
+
+def build_workload(name: str, num_requests: int, *, seed: int = 0, mean_output_tokens: int = 64,
+                   max_output_tokens: int = 256) -> list[BenchRequest]:
+    """`num_requests` requests of the named workload; the same seed gives the same prompts and lengths."""
+    if name not in WORKLOADS:
+        raise DataError(f"unknown workload {name!r}: choose one of {', '.join(WORKLOADS)}")
+    if num_requests <= 0 or mean_output_tokens <= 0 or max_output_tokens < _MIN_OUTPUT_TOKENS:
+        raise DataError("num_requests and mean_output_tokens must be > 0 and max_output_tokens >= 4")
+    rng = np.random.default_rng(seed)
+    if name == "mixed":
+        kinds = [str(k) for k in rng.choice(["code", "summarization"], size=num_requests)]
+    else:
+        kinds = [name] * num_requests
+    pools = {"code": code_prompts(), "summarization": summarization_prompts()}
+    orders = {k: rng.permutation(len(pool)) for k, pool in pools.items()}
+    taken = {k: 0 for k in pools}
+    requests = []
+    for i, kind in enumerate(kinds):
+        pool, order = pools[kind], orders[kind]
+        prompt = pool[order[taken[kind] % len(pool)]]
+        taken[kind] += 1
+        (length,) = output_lengths(kind, 1, rng, mean_output_tokens, max_output_tokens)
+        requests.append(BenchRequest(i, kind, prompt, length))
+    return requests
+
+
+def arrival_offsets(n: int, rate: float | None, *, seed: int = 0) -> list[float]:
+    """Seconds after the start at which each request is sent: Poisson arrivals at `rate`/s, or all at once."""
+    if not rate:
+        return [0.0] * n
+    if rate < 0:
+        raise DataError(f"--rate must be a positive number of requests per second, got {rate}")
+    gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, size=n)
+    return [float(t) for t in np.cumsum(gaps) - gaps[0]]  # the first request goes out at once
