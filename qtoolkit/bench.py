@@ -253,7 +253,11 @@ def bench_serve(model: str = "default", *, endpoint: str | None = None, concurre
         systems: dict[str, str] = {}
         if endpoint:
             systems["endpoint"] = normalize_endpoint(endpoint)
-            names = asyncio.run(served_models(systems["endpoint"], api_key))
+            try:
+                names = asyncio.run(served_models(systems["endpoint"], api_key))
+            except httpx.HTTPError as e:
+                raise QToolError(f"cannot list models at {endpoint} ({type(e).__name__}: {e}): check the URL "
+                                 "and --api-key") from None
             if model not in names:
                 if model != "default" or not names:
                     raise QToolError(f"the endpoint serves {names}, not {model!r}: pass one of them as --model")

@@ -224,3 +224,24 @@ def test_backpressure_503_with_retry_after(tiny_model_dir):
         wait_until_idle(url)
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "b", "max_tokens": 2}, timeout=TIMEOUT)
         assert r.status_code == 200
+
+
+def test_engine_failure_fails_in_flight_requests_and_server_recovers(tiny_model_dir):
+    app = make_app(tiny_model_dir)
+    engine = app.state.qtool.engine
+    real_step, calls = engine.step, []
+
+    def flaky_step():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated kernel fault")
+        return real_step()
+
+    engine.step = flaky_step
+    with running(app) as url:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=TIMEOUT)
+        assert r.status_code == 500 and "simulated kernel fault" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True},
+                       timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        wait_until_idle(url)
