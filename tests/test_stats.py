@@ -1,0 +1,88 @@
+"""Paired bootstrap CIs, pass@k and the llama.cpp-style token statistics on data with known answers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from qtoolkit.evals.stats import bootstrap_ci, paired_delta, pass_at_k, token_item_record, token_stats
+
+
+def test_bootstrap_ci_is_seeded_and_covers_the_mean():
+    rng = np.random.default_rng(1)
+    x = rng.normal(0.3, 1.0, size=200)
+    a, b = bootstrap_ci(x, seed=7), bootstrap_ci(x, seed=7)
+    assert a == b
+    assert a[0] < x.mean() < a[1]
+    se = x.std(ddof=1) / math.sqrt(x.size)
+    assert a[1] - a[0] == pytest.approx(2 * 1.96 * se, rel=0.2)
+
+
+def test_weighted_bootstrap_uses_ratio_of_sums():
+    ci = bootstrap_ci([1.0, 3.0], [3.0, 1.0], seed=0, n_resamples=4000)
+    assert 1.0 <= ci[0] <= 1.5 and 2.5 <= ci[1] <= 3.0
+
+
+def test_paired_delta_removes_shared_item_difficulty():
+    rng = np.random.default_rng(0)
+    difficulty = rng.normal(0, 5, size=100)  # large per-item spread shared by both models
+    base = difficulty
+    cand = difficulty + 0.1 + rng.normal(0, 0.01, size=100)
+    d = paired_delta(cand, base, seed=0)
+    assert d["delta"] == pytest.approx(0.1, abs=0.01)
+    assert 0.09 < d["ci95"][0] < d["ci95"][1] < 0.11  # an unpaired CI would span about ±1.4
+    with pytest.raises(ValueError):
+        paired_delta([1.0], [1.0, 2.0], seed=0)
+
+
+def test_pass_at_k_matches_the_closed_form():
+    assert pass_at_k(10, 0, 1) == 0.0
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    assert pass_at_k(10, 3, 5) == pytest.approx(1 - math.comb(7, 5) / math.comb(10, 5))
+    assert pass_at_k(5, 5, 5) == 1.0
+
+
+def _scores(logits: torch.Tensor, targets: torch.Tensor):
+    lp = torch.log_softmax(logits, -1)
+    return lp.gather(1, targets.view(-1, 1)).squeeze(1), lp
+
+
+def test_identical_models_give_zero_kld_and_unit_ratio():
+    torch.manual_seed(0)
+    logits, targets = torch.randn(50, 32), torch.randint(0, 32, (50,))
+    t, lp = _scores(logits, targets)
+    rec = token_item_record(t, t, lp, lp)
+    s = token_stats([rec, rec], seed=0)
+    assert s["kld"]["mean_pm"][0] == pytest.approx(0.0, abs=1e-6) and s["kld"]["max"] == pytest.approx(0.0, abs=1e-6)
+    assert s["ppl_ratio"]["mean_pm"][0] == pytest.approx(1.0)
+    assert s["same_top1"]["mean_pm"][0] == 1.0
+    assert s["delta_p"]["mean_pm"][0] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_kld_matches_torch_and_grows_with_noise():
+    torch.manual_seed(0)
+    base, targets = torch.randn(200, 64), torch.randint(0, 64, (200,))
+    tb, lb = _scores(base, targets)
+    out = []
+    for noise in (0.1, 1.0):
+        tc, lc = _scores(base + noise * torch.randn_like(base), targets)
+        rec = token_item_record(tc, tb, lc, lb)
+        ref = torch.nn.functional.kl_div(lc, lb, log_target=True, reduction="none").sum(-1)
+        assert np.allclose(rec["kld"], ref.numpy(), rtol=1e-3, atol=1e-6)
+        out.append(token_stats([rec], seed=0))
+    assert out[0]["kld"]["mean_pm"][0] < out[1]["kld"]["mean_pm"][0]
+    assert out[0]["same_top1"]["mean_pm"][0] > out[1]["same_top1"]["mean_pm"][0]
+    s = out[1]
+    assert s["kld"]["median"] <= s["kld"]["p90"] <= s["kld"]["p99"] <= s["kld"]["max"]
+    assert s["ppl_ratio"]["mean_pm"][0] == pytest.approx(s["ppl_candidate"] / s["ppl_baseline"])
+
+
+def test_missing_distributions_are_reported_not_guessed():
+    t = torch.tensor([-1.0, -2.0, -0.5])
+    s = token_stats([token_item_record(t, t + 0.1)], seed=0)
+    assert "kld" not in s and "same_top1" not in s
+    assert len(s["not_computed"]) == 2
+    assert s["ln_ppl_ratio"]["mean_pm"][0] == pytest.approx(0.1, abs=1e-5)  # the baseline is better
