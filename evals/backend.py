@@ -21,6 +21,10 @@ class BackendError(QToolError):
     """A model backend cannot be built or does not answer."""
 
 
+class ScoringUnsupported(BackendError):
+    """The backend generates but cannot score token sequences (an endpoint without echo + logprobs)."""
+
+
 @dataclass
 class GenParams:
     max_tokens: int = 128

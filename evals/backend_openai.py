@@ -11,7 +11,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .backend import BackendError, Generation, GenParams, Scored, load_tokenizer
+from .backend import BackendError, Generation, GenParams, Scored, ScoringUnsupported, load_tokenizer
+
+
+class RequestRefused(BackendError):
+    """The endpoint answered with a 4xx: retrying will not help."""
 
 
 class OpenAIBackend:
@@ -52,7 +56,7 @@ class OpenAIBackend:
                 r = self.client.request(method, self.url + path, json=payload)
                 if r.status_code < 500:
                     if r.status_code >= 400:
-                        raise BackendError(f"{self.url}{path} refused the request ({r.status_code}: "
+                        raise RequestRefused(f"{self.url}{path} refused the request ({r.status_code}: "
                                            f"{r.text[:200]}): check the endpoint serves the model")
                     return r.json()
                 last = f"HTTP {r.status_code}"
@@ -87,12 +91,15 @@ class OpenAIBackend:
 
         out = []
         for ids in token_ids:
-            resp = self._complete({"prompt": ids, "max_tokens": 1, "temperature": 0.0, "echo": True, "logprobs": 1})
+            try:
+                resp = self._complete({"prompt": ids, "max_tokens": 1, "temperature": 0.0, "echo": True,
+                                       "logprobs": 1})
+            except RequestRefused as e:
+                raise ScoringUnsupported(f"{self.url} cannot score prompts (echo + logprobs refused: {e})") from None
             lp = (resp["choices"][0].get("logprobs") or {})
             token_lp = lp.get("token_logprobs") or []
             if len(token_lp) < len(ids):
-                raise BackendError(f"{self.url} does not return prompt logprobs (echo + logprobs): "
-                                   "score with a local backend or a server that supports echo")
+                raise ScoringUnsupported(f"{self.url} does not return prompt logprobs (echo + logprobs)")
             target = torch.tensor([float(x) for x in token_lp[1:len(ids)]])
             top1 = self._top1_ids(lp, ids)
             out.append(Scored(target=target, top1=top1))

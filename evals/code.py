@@ -13,7 +13,7 @@ from .backend import Backend, GenParams
 from .data import humaneval_problems
 from .sandbox import Limits, run_program
 from .stats import paired_delta, pass_at_k, token_stats
-from .task import compare_scored, join_tokens
+from .task import compare_scored, join_tokens, scored_records
 
 # Completion ends where a new top-level statement starts (the stop set of the Codex paper).
 DEFAULT_LIMITS = Limits()
@@ -66,27 +66,31 @@ class CodeTask:
         texts = compare_scored(candidate, baseline, [ids for ids, _ in joined], [0] * len(joined))
         records = []
         for p, c, b, (ids, start), t in zip(items, cand, base, joined, texts, strict=True):
-            sol = slice(start - 1, len(ids) - 1)  # predictions of the solution's tokens
+            sol, n = slice(start - 1, len(ids) - 1), max(len(ids) - start, 1)  # predictions of the solution
+            scored = "unsupported" not in t
             records.append({
                 "id": p["id"], "candidate": c, "baseline": b,
                 "agree_exact": c["completion"].rstrip() == b["completion"].rstrip(),
-                "solution_tokens": len(ids) - start,
-                "nll_solution_candidate": sum(t["nll_candidate"][sol]) / max(len(ids) - start, 1),
-                "nll_solution_baseline": sum(t["nll_baseline"][sol]) / max(len(ids) - start, 1),
+                "solution_tokens": n,
+                "nll_solution_candidate": sum(t["nll_candidate"][sol]) / n if scored else None,
+                "nll_solution_baseline": sum(t["nll_baseline"][sol]) / n if scored else None,
                 "token_record": t,
             })
         return records
 
     def summarize(self, records: list[dict[str, Any]], *, seed: int) -> dict[str, Any]:
+        token_records, unsupported = scored_records(records)
+        scored = [r for r in records if r["nll_solution_candidate"] is not None]
         out: dict[str, Any] = {
             "pass@1": paired_delta([r["candidate"]["passed"] for r in records],
                                    [r["baseline"]["passed"] for r in records], seed=seed),
             "nll_canonical_solution": paired_delta(
-                [r["nll_solution_candidate"] for r in records], [r["nll_solution_baseline"] for r in records],
-                [r["solution_tokens"] for r in records], seed=seed + 10),
+                [r["nll_solution_candidate"] for r in scored], [r["nll_solution_baseline"] for r in scored],
+                [r["solution_tokens"] for r in scored], seed=seed + 10),
             "greedy_agreement": {"rate": sum(r["agree_exact"] for r in records) / max(len(records), 1),
                                  "items": len(records)},
-            "text_stats": token_stats([r["token_record"] for r in records], seed=seed + 20),
+            "text_stats": token_stats(token_records, seed=seed + 20),
+            "not_computed": [f"nll_canonical_solution, text_stats: {why}" for why in unsupported],
         }
         if self.samples > 1:
             for k in sorted({1, min(10, self.samples), self.samples}):

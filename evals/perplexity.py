@@ -13,7 +13,7 @@ from typing import Any
 from .backend import Backend
 from .data import ASPECTS, aclsum_items, humaneval_problems
 from .stats import paired_delta, token_stats
-from .task import compare_scored
+from .task import compare_scored, scored_records
 
 TEXT_SETS = ("code", "summarization")
 
@@ -53,7 +53,9 @@ class PerplexityTask:
     def summarize(self, records: list[dict[str, Any]], *, seed: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for i, text_set in enumerate(TEXT_SETS):
-            recs = [r["token_record"] for r in records if r["text_set"] == text_set]
+            recs, unsupported = scored_records([r for r in records if r["text_set"] == text_set])
+            if unsupported:
+                out[text_set] = {"not_computed": [f"all perplexity statistics: {why}" for why in unsupported]}
             if not recs:
                 continue
             stats = token_stats(recs, seed=seed + 100 * i)

@@ -13,7 +13,7 @@ from typing import Any
 from .backend import Backend, GenParams
 from .data import ASPECTS, aclsum_items
 from .stats import paired_delta, token_stats
-from .task import compare_scored
+from .task import compare_scored, scored_records
 
 QUESTIONS = {
     "challenge": "What problem or challenge does the paper address?",
@@ -81,12 +81,12 @@ class SummarizationTask:
         texts = compare_scored(candidate, baseline, sequences, content_starts)
         records = []
         for i, it in enumerate(items):
-            t = texts[i]
+            t, scored = texts[i], "unsupported" not in texts[i]
             ans = slice(answer_starts[i] - content_starts[i], None)  # record index j predicts token start+j
             n = len(sequences[i]) - answer_starts[i]
             rec: dict[str, Any] = {"id": it["id"], "aspect": it["aspect"], "reference_tokens": n,
-                                   "nll_reference_candidate": sum(t["nll_candidate"][ans]) / n,
-                                   "nll_reference_baseline": sum(t["nll_baseline"][ans]) / n,
+                                   "nll_reference_candidate": sum(t["nll_candidate"][ans]) / n if scored else None,
+                                   "nll_reference_baseline": sum(t["nll_baseline"][ans]) / n if scored else None,
                                    "token_record": t}
             for side, g in gens.items():
                 summary = g[i].text.strip()
@@ -100,8 +100,11 @@ class SummarizationTask:
         for i, k in enumerate(ROUGE):
             out[k] = paired_delta([r["candidate"][k] for r in records], [r["baseline"][k] for r in records],
                                   seed=seed + i)
+        token_records, unsupported = scored_records(records)
+        scored = [r for r in records if r["nll_reference_candidate"] is not None]
         out["nll_reference"] = paired_delta(
-            [r["nll_reference_candidate"] for r in records], [r["nll_reference_baseline"] for r in records],
-            [r["reference_tokens"] for r in records], seed=seed + 10)
-        out["text_stats"] = token_stats([r["token_record"] for r in records], seed=seed + 20)
+            [r["nll_reference_candidate"] for r in scored], [r["nll_reference_baseline"] for r in scored],
+            [r["reference_tokens"] for r in scored], seed=seed + 10)
+        out["text_stats"] = token_stats(token_records, seed=seed + 20)
+        out["not_computed"] = [f"nll_reference, text_stats: {why}" for why in unsupported]
         return out

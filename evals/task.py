@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from qtoolkit.errors import QToolError
 
-from .backend import Backend
+from .backend import Backend, ScoringUnsupported
 from .stats import token_item_record
 
 
@@ -74,9 +74,12 @@ def compare_scored(candidate: Backend, baseline: Backend, sequences: list[list[i
     """Teacher-forced per-token comparison of `sequences`, from token `starts[i]` on (0 = whole text).
 
     Returns one token record per sequence (see stats.token_item_record) covering the predictions of
-    tokens starts[i]..T-1.
+    tokens starts[i]..T-1, or `{"unsupported": reason}` records when a backend cannot score at all.
     """
-    sc, sb = candidate.score(sequences), baseline.score(sequences)
+    try:
+        sc, sb = candidate.score(sequences), baseline.score(sequences)
+    except ScoringUnsupported as e:
+        return [{"unsupported": str(e)} for _ in sequences]
     out = []
     for c, b, start in zip(sc, sb, starts, strict=True):
         lo = max(start - 1, 0)  # row i of a Scored predicts token i+1
@@ -92,3 +95,10 @@ def join_tokens(tokenizer, head: str, tail: str, *, special: bool = True) -> tup
     h = tokenizer(head, add_special_tokens=special).input_ids
     t = tokenizer(tail, add_special_tokens=False).input_ids
     return h + t, len(h)
+
+
+def scored_records(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The items' token records that could be scored, and why the others could not."""
+    ok = [r["token_record"] for r in records if "unsupported" not in r["token_record"]]
+    reasons = sorted({r["token_record"]["unsupported"] for r in records if "unsupported" in r["token_record"]})
+    return ok, reasons

@@ -9,7 +9,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from qtoolkit.evals import landlock
 from qtoolkit.evals.completions import score_completions
 from qtoolkit.evals.data import humaneval_problems

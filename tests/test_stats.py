@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from qtoolkit.evals.stats import bootstrap_ci, paired_delta, pass_at_k, token_item_record, token_stats
 
 
