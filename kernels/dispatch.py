@@ -50,8 +50,11 @@ def _cuda(x2: torch.Tensor, layer) -> torch.Tensor:
             xq, xs = quantize_activations(x2, "float")
             return fp8_linear(xq, layer.qweight, layer.scales, x_scale=xs, out_dtype=x2.dtype)
         return fp8_linear(x2, layer.qweight, layer.scales, out_dtype=x2.dtype)
-    from .int4_matmul import int_linear
+    from .int4_matmul import int_linear, supported
 
+    if not supported(layer.in_features, layer.group_size):  # odd group sizes: dequantize, then cuBLAS
+        w = layer.dequantized_weight().to(x2.device, x2.dtype)
+        return x2 @ w.t()
     if layer.act is not None:
         x2 = _fake_quant_tokens(x2, layer.act).to(x2.dtype)
     return int_linear(x2, layer.qweight, layer.scales, zeros, layer.group_size, packed=layer.kind == "int4")

@@ -56,16 +56,34 @@ def _int_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, st
         mask_k = offs_k < K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        wmask = mask_k[:, None] & mask_n[None, :]
-        if PACKED:
-            words = tl.load(w_ptr + offs_n[None, :] * stride_wn + (offs_k[:, None] // 8), mask=wmask, other=0)
-            q = ((words >> ((offs_k[:, None] % 8) * 4)) & 0xF) - 8
+        # K is a multiple of the group size (and of 8 when packed), so a tile either covers whole groups
+        # (BLOCK_K >= GROUP) or sits inside one; masks on K only matter for the tail tile.
+        if PACKED:  # load each int32 word once, split it into its 8 nibbles in registers
+            offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            words = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_w[:, None],
+                            mask=(offs_w[:, None] < K // 8) & mask_n[None, :], other=0)
+            shifts = tl.arange(0, 8) * 4
+            q = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+            q = tl.reshape(q, (BLOCK_K, BLOCK_N)) - 8
         else:
-            q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0).to(tl.int32)
-        gidx = offs_n[None, :] * stride_sn + (offs_k[:, None] // GROUP)
-        if HAS_ZP:
-            q = q - tl.load(z_ptr + gidx, mask=wmask, other=0).to(tl.int32)
-        w = q.to(tl.float32) * tl.load(s_ptr + gidx, mask=wmask, other=0.0)
+            q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None],
+                        mask=mask_k[:, None] & mask_n[None, :], other=0).to(tl.int32)
+        if BLOCK_K >= GROUP:  # BLOCK_K // GROUP scales per row of the tile, broadcast over their groups
+            offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            gmask = (offs_g[:, None] < K // GROUP) & mask_n[None, :]
+            sidx = offs_n[None, :] * stride_sn + offs_g[:, None]
+            if HAS_ZP:
+                zp = tl.load(z_ptr + sidx, mask=gmask, other=0).to(tl.int32)
+                q = tl.reshape(tl.reshape(q, (BLOCK_K // GROUP, GROUP, BLOCK_N)) - zp[:, None, :],
+                               (BLOCK_K, BLOCK_N))
+            s = tl.load(s_ptr + sidx, mask=gmask, other=0.0)
+            w = tl.reshape(tl.reshape(q.to(tl.float32), (BLOCK_K // GROUP, GROUP, BLOCK_N)) * s[:, None, :],
+                           (BLOCK_K, BLOCK_N))
+        else:  # the whole tile lies in one group: one scale per output column
+            sidx = offs_n * stride_sn + k0 // GROUP
+            if HAS_ZP:
+                q = q - tl.load(z_ptr + sidx, mask=mask_n, other=0).to(tl.int32)[None, :]
+            w = q.to(tl.float32) * tl.load(s_ptr + sidx, mask=mask_n, other=0.0)[None, :]
         if DOT_FP32:  # fp32 activations, and always under the interpreter (its bf16 dot is wrong)
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
@@ -89,10 +107,20 @@ def m_bucket(m: int) -> int:
     return 1 << max(0, (m - 1).bit_length())
 
 
+def supported(k: int, group: int) -> bool:
+    """Groups must nest with the power-of-two K tiles (32/64/128 do); per-channel (group == K) always works."""
+    return group == k or (group >= 16 and group & (group - 1) == 0 and k % group == 0)
+
+
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-               group: int, packed: bool = True) -> torch.Tensor:
-    """y [M, N] (x's dtype) for x [M, K]; qweight int32 [N, K/8] when packed, else int8 [N, K]."""
+               group: int, packed: bool = True, config: triton.Config | None = None) -> torch.Tensor:
+    """y [M, N] (x's dtype) for x [M, K]; qweight int32 [N, K/8] when packed, else int8 [N, K].
+
+    `config` pins one tile config instead of autotuning (tests; the interpreter always uses one).
+    """
     m, k = x.shape
+    if group == k:
+        group = 1 << 30  # per-channel: every tile lies inside the one group
     n = qweight.shape[0]
     x = x.contiguous()
     # fp32 output buffer, zeroed: split-K configs accumulate into it with atomics
@@ -101,8 +129,8 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
             qweight.stride(0), scales.stride(0), y.stride(0), m_bucket(m))
     flags = dict(GROUP=group, PACKED=packed, HAS_ZP=zeros is not None,
                  DOT_FP32=INTERPRET or x.dtype == torch.float32)
-    if INTERPRET:
-        c = INTERPRET_CONFIG.kwargs
+    if INTERPRET or config is not None:
+        c = (config or INTERPRET_CONFIG).kwargs
         grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])
         _int_matmul_kernel[grid](*args, **flags, **c)
     else:

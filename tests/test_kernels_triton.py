@@ -112,6 +112,22 @@ def test_int_kernel_fp16_activations(kernels):
 
 
 @interpreted
+@pytest.mark.parametrize("bk,group,asym", [(128, 32, False), (64, 32, True), (128, 64, True), (32, 128, True)])
+def test_int_kernel_tiles_spanning_groups(kernels, bk, group, asym):
+    """Tiles holding several groups (scales broadcast per group) and tiles inside one group."""
+    int4_matmul, _ = kernels
+    torch.manual_seed(bk + group)
+    grp = S.w4a16(group, symmetric=not asym)
+    t = quantize_weight(torch.randn(19, 384), grp)
+    layer = make_linear(t, grp)
+    x = torch.randn(5, 384)
+    cfg = int4_matmul._cfg(16, 16, bk, 2, 1, 1)
+    zeros = layer.zeros if asym else None
+    y = int4_matmul.int_linear(x, layer.qweight, layer.scales, zeros, group, config=cfg)
+    assert _rel(y, reference_linear(x, t, grp)) < 1e-5
+
+
+@interpreted
 def test_m_bucket_groups_decode_sizes(kernels):
     int4_matmul, _ = kernels
     assert [int4_matmul.m_bucket(m) for m in (1, 2, 3, 16, 17, 33)] == [1, 2, 4, 16, 32, 64]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from qtoolkit.kernels import dispatch
 from qtoolkit.kernels.cpu import dequantize_fp8, dequantize_int4, dequantize_int8
+from qtoolkit.kernels.cpu_build import cpu_kernels
 from qtoolkit.kernels.reference import unpack_int32
 from qtoolkit.kernels.scheme import QuantSchemeError, Scheme, parse_scheme
 from torch import nn
@@ -103,6 +104,7 @@ def make_linear(tensors: dict[str, torch.Tensor], scheme: dict | Scheme | None,
     if scheme is None:
         return DenseLinear(tensors["weight"], bias)
     s = parse_scheme(scheme)
+    cpu_kernels()  # build (or load) the AVX2 kernels at model load, not on the first request
     if s.act_type is not None and not s.act_dynamic:
         raise QuantSchemeError("static activation scales are not supported: quantize with FP8_DYNAMIC or W8A8 "
                                "(dynamic per-token activations) instead")
