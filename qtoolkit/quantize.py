@@ -229,7 +229,7 @@ def quantize(model: str | os.PathLike = "default", recipe: str | os.PathLike = "
         timings["total_s"] = time.perf_counter() - t0
         report = {
             **provenance(model=src.describe(), recipe={"name": r.name, "path": r.source, "sha256": r.sha256}),
-            "recipe": {"name": r.name, "description": r.description, "method": r.method,
+            "recipe": {"name": r.name, "sha256": r.sha256, "description": r.description, "method": r.method,
                        "modifier": r.quantization.modifier, "scheme": r.quantization.scheme,
                        "resolved": r.resolved_scheme(), "targets": r.quantization.targets,
                        "ignore": r.quantization.ignore,

@@ -1,0 +1,125 @@
+"""Layer-by-layer ablation: each serving optimisation measured alone and stacked, on one workload, interleaved.
+
+Layers stack in the order of the thesis: baseline (unquantized, static batching) -> + continuous batching ->
++ speculative decoding (when the engine offers it) -> + quantization. Each layer is also measured alone on top of
+the baseline (quantized weights with static batching, ...), so the report shows where savings overlap: the
+stacked gain divided by the product of the alone gains is 1 when layers compound and < 1 when they overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .progress import status
+from .provenance import provenance, text_sha256
+
+# (system name, which model, batching, extra server args); order = stacking order
+BASE_SYSTEMS: list[tuple[str, str, str, list[str]]] = [
+    ("baseline_static", "baseline", "static", []),
+    ("baseline_continuous", "baseline", "continuous", []),
+    ("candidate_static", "candidate", "static", []),
+    ("candidate_continuous", "candidate", "continuous", []),
+]
+STACK = ["baseline_static", "baseline_continuous", "baseline_continuous_spec", "candidate_continuous_spec"]
+LABELS = {
+    "baseline_static": "baseline (static batching)",
+    "baseline_continuous": "+ continuous batching",
+    "baseline_continuous_spec": "+ speculative decoding",
+    "candidate_continuous_spec": "+ quantization (full stack)",
+}
+# each layer alone over the baseline: (system, name of the layer)
+ALONE = [("baseline_continuous", "continuous batching"), ("baseline_static_spec", "speculative decoding"),
+         ("candidate_static", "quantization")]
+
+
+def speculative_systems(speculative: str | None) -> list[tuple[str, str, str, list[str]]]:
+    """Systems with speculation, when the engine offers it (`qtool serve --speculative`)."""
+    if not speculative:
+        return []
+    args = ["--speculative", speculative]
+    return [("baseline_static_spec", "baseline", "static", args),
+            ("baseline_continuous_spec", "baseline", "continuous", args),
+            ("candidate_continuous_spec", "candidate", "continuous", args)]
+
+
+def bench_ablation(baseline: str | Path, candidate: str | Path, *, concurrency: list[int],
+                   num_requests: int | None = None, mean_output_tokens: int = 48, max_output_tokens: int = 96,
+                   workload: str = "mixed", speculative: str | None = None, seed: int = 0,
+                   kv_cache_memory: str = "1GiB") -> dict[str, Any]:
+    """Every system on the same requests, tier by tier, alternating the order between tiers."""
+    from .bench import requests_per_tier, run_load, served_models, summarize
+    from .server.process import server_process
+    from .workloads import build_workload
+
+    systems = BASE_SYSTEMS + speculative_systems(speculative)
+    models = {"baseline": str(baseline), "candidate": str(candidate)}
+    sizes = [requests_per_tier(c, num_requests) for c in concurrency]
+    requests = build_workload(workload, sum(sizes), seed=seed, mean_output_tokens=mean_output_tokens,
+                              max_output_tokens=max_output_tokens)
+    tiers = []
+    with contextlib.ExitStack() as stack:
+        urls: dict[str, tuple[str, str]] = {}
+        for name, which, batching, extra in systems:
+            status(f"starting server {name}")
+            url = stack.enter_context(server_process(models[which], batching=batching, max_num_seqs=max(concurrency),
+                                                     kv_cache_memory=kv_cache_memory, extra_args=extra))
+            served = asyncio.run(served_models(url))[0]
+            warm = build_workload("code", 2, seed=seed + 1, mean_output_tokens=4, max_output_tokens=8)
+            asyncio.run(run_load(url, served, warm, concurrency=2))
+            urls[name] = (url, served)
+        offset = 0
+        for t, (c, n) in enumerate(zip(concurrency, sizes, strict=True)):
+            reqs = requests[offset:offset + n]
+            offset += n
+            order = list(urls) if t % 2 == 0 else list(reversed(urls))  # spread drift over all systems
+            results = {}
+            for name in order:
+                status(f"concurrency {c}: {n} requests against {name}")
+                url, served = urls[name]
+                res, duration = asyncio.run(run_load(url, served, reqs, concurrency=c, seed=seed + t))
+                results[name] = summarize(res, duration)
+            tiers.append({"concurrency": c, "num_requests": n, "results": {k: results[k] for k in urls}})
+    workload_hash = text_sha256(json.dumps([[r.prompt, r.max_tokens] for r in requests]))
+    return {**provenance(baseline=models["baseline"], candidate=models["candidate"], workload_sha256=workload_hash),
+            "config": {"concurrency": concurrency, "workload": workload, "speculative": speculative,
+                       "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens,
+                       "seed": seed, "systems": [s[0] for s in systems]},
+            "tiers": tiers}
+
+
+def ablation_table(bench: dict[str, Any]) -> dict[str, Any]:
+    """Per tier: tok/s of each stacked layer, its marginal gain over the layer before, and the total."""
+    out_tiers = []
+    for tier in bench["tiers"]:
+        res = tier["results"]
+
+        def tps(name: str, res: dict[str, Any] = res) -> float | None:
+            r = res.get(name)
+            return r["output_tok_per_s"] if r and r.get("completed") else None
+
+        steps, prev = [], None
+        for name in STACK:
+            key = name
+            if name == "candidate_continuous_spec" and name not in res:
+                key = "candidate_continuous"  # no speculation: quantization lands on continuous batching
+            value = tps(key)
+            if value is None:
+                continue
+            steps.append({"system": key, "label": LABELS[name], "output_tok_per_s": value,
+                          "marginal_gain": value / prev if prev else None})
+            prev = value
+        base = tps("baseline_static")
+        alone = {layer: tps(name) / base for name, layer in ALONE if tps(name) and base}
+        total = steps[-1]["output_tok_per_s"] / base if steps and base else None
+        row = {"concurrency": tier["concurrency"], "steps": steps, "total_speedup": total, "alone_speedup": alone,
+               "quantization_speedup": alone.get("quantization")}
+        if total and alone:
+            # 1: the layers compound; < 1: they overlap (one layer's gain was already taken by another)
+            row["stacking_efficiency"] = total / math.prod(alone.values())
+        out_tiers.append(row)
+    return {"tiers": out_tiers, "systems": bench["config"]["systems"]}

@@ -1,0 +1,186 @@
+"""`qtool diagnose`: where does time go on this machine? Prefill and decode measured apart, against a roofline.
+
+Decode reads every weight once per step (plus the KV cache of each sequence), so at small batch it is bound by
+memory bandwidth; prefill multiplies each weight by many tokens, so it is bound by compute. Both ceilings are
+measured in the same run (a streaming read and a GEMM), and the engine's achieved tok/s is set against them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from .progress import bar, status
+from .provenance import provenance
+
+
+def _median_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_bandwidth(megabytes: int = 512, repeat: int = 5) -> float:
+    """DRAM read bandwidth in GB/s: a sum over a buffer far larger than the caches."""
+    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    x.sum()  # fault the pages in
+    return x.nbytes / _median_time(lambda: x.sum(), repeat) / 1e9
+
+
+def measure_gemm_flops(n: int = 1024, repeat: int = 5) -> float:
+    """fp32 GEMM throughput in GFLOP/s (the compute ceiling prefill runs against)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    return 2 * n**3 / _median_time(lambda: a @ b, repeat) / 1e9
+
+
+def model_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes a decode step streams: every Linear's packed weights + the lm_head; embeddings are a gather."""
+    linear = head = 0
+    for name, mod in model.named_modules():
+        if hasattr(mod, "weight_bytes") and not any(c for c in mod.children() if hasattr(c, "weight_bytes")):
+            if name.endswith("lm_head"):
+                head += mod.weight_bytes()
+            else:
+                linear += mod.weight_bytes()
+    if head == 0:  # tied embeddings: the head reads the embedding table
+        emb = next((m for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)), None)
+        head = emb.weight.nbytes if emb is not None else 0
+    params = sum(p.numel() for p in model.parameters())
+    return {"linear_bytes": linear, "lm_head_bytes": head, "decode_bytes_per_step": linear + head,
+            "parameters": params}
+
+
+def _timed_generate(engine, prompts: list[list[int]], max_tokens: int) -> float:
+    from .engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    t = time.perf_counter()
+    engine.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t
+
+
+def prefill_sweep(engine, lengths: list[int], vocab: int) -> list[dict[str, Any]]:
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for n in bar(lengths, desc="prefill sweep", unit="len"):
+        prompt = torch.randint(100, vocab - 1, (n,), generator=g).tolist()
+        _timed_generate(engine, [prompt], 1)  # warm-up (and fills no prefix cache: prompts differ below)
+        prompt = torch.randint(100, vocab - 1, (n,), generator=g).tolist()
+        t = _timed_generate(engine, [prompt], 1)
+        rows.append({"prompt_tokens": n, "seconds": round(t, 4), "tokens_per_s": round(n / t, 1)})
+    return rows
+
+
+def decode_sweep(engine, batches: list[int], vocab: int, new_tokens: int = 32,
+                 prompt_tokens: int = 32) -> list[dict[str, Any]]:
+    """Decode tok/s per batch size: (full run - prefill-only run) isolates the decode steps."""
+    rows = []
+    g = torch.Generator().manual_seed(1)
+    for b in bar(batches, desc="decode sweep", unit="batch"):
+        def prompts(b: int = b) -> list[list[int]]:
+            return [torch.randint(100, vocab - 1, (prompt_tokens,), generator=g).tolist() for _ in range(b)]
+
+        _timed_generate(engine, prompts(), 4)  # warm-up
+        t_prefill = _timed_generate(engine, prompts(), 1)
+        t_full = _timed_generate(engine, prompts(), new_tokens + 1)
+        t_decode = max(t_full - t_prefill, 1e-9)
+        rows.append({"batch": b, "decode_seconds": round(t_decode, 4),
+                     "tokens_per_s": round(b * new_tokens / t_decode, 1),
+                     "ms_per_step": round(1000 * t_decode / new_tokens, 2)})
+    return rows
+
+
+def roofline(sizes: dict[str, int], kv_per_token: int, bandwidth_gbs: float, gflops: float,
+             batch: int, context: int) -> dict[str, float]:
+    """Attainable tok/s: decode = min(bytes bound, flops bound); prefill = flops bound."""
+    flops_per_token = 2 * sizes["parameters"]
+    step_bytes = sizes["decode_bytes_per_step"] + batch * context * kv_per_token
+    memory_bound = batch * bandwidth_gbs * 1e9 / step_bytes
+    compute_bound = gflops * 1e9 / flops_per_token
+    return {"decode_memory_bound_tok_s": round(memory_bound, 1), "compute_bound_tok_s": round(compute_bound, 1),
+            "decode_attainable_tok_s": round(min(memory_bound, compute_bound), 1)}
+
+
+def classify(result: dict[str, Any]) -> tuple[str, list[str]]:
+    """Name the bottleneck and the order of levers, from the measured figures."""
+    dec = {r["batch"]: r for r in result["decode"]}
+    b1, bmax = dec[min(dec)], dec[max(dec)]
+    roof = result["roofline"]
+    kv = result["kv"]
+    scaling = bmax["tokens_per_s"] / b1["tokens_per_s"]
+    levers: list[str] = []
+    if kv["max_concurrent_at_context"] < max(dec):
+        bottleneck = "KV-memory"
+        levers.append(f"KV cache holds only {kv['max_concurrent_at_context']} sequences of {kv['context']} tokens: "
+                      "raise --kv-cache-memory or quantize the KV cache before anything else")
+    elif roof["batch1"]["decode_memory_bound_tok_s"] < roof["batch1"]["compute_bound_tok_s"]:
+        bottleneck = "decode-memory"
+    else:
+        bottleneck = "prefill-compute"
+    levers.append(f"continuous batching: aggregate decode grows {scaling:.1f}x from batch {min(dec)} to {max(dec)} "
+                  "(weights are read once per step for the whole batch)")
+    levers.append(f"weight quantization: a decode step streams {result['model']['decode_bytes_per_step'] / 1e6:.0f} MB;"
+                  " INT4 cuts the linear part ~3.5x, which lifts the batch-1 memory roofline")
+    levers.append("speculative decoding at low concurrency: it turns memory-bound single-token steps into "
+                  "multi-token verification; it fades as the batch fills the compute")
+    if bottleneck == "prefill-compute":
+        levers.reverse()
+    return bottleneck, levers
+
+
+def diagnose(model: str = "default", *, kv_cache_memory: str = "1GiB", dtype: str = "auto",
+             batches: tuple[int, ...] = (1, 4, 16, 32), prompt_lengths: tuple[int, ...] = (64, 256, 1024),
+             context: int = 1024, new_tokens: int = 32) -> dict[str, Any]:
+    from .engine import Engine
+    from .engine.model_runner import kv_bytes_per_block
+
+    status("measuring memory bandwidth and GEMM throughput")
+    bandwidth = measure_bandwidth()
+    gflops = measure_gemm_flops()
+    engine = Engine(model, kv_cache_memory=kv_cache_memory, dtype=dtype, enable_prefix_caching=False,
+                    max_num_seqs=max(batches), max_num_batched_tokens=max(max(prompt_lengths), 1024))
+    vocab = engine.model.config.vocab_size
+    sizes = model_bytes(engine.model)
+    kv_per_token = kv_bytes_per_block(engine.model, 1)
+    kv_blocks = len(engine.block_manager.blocks)
+    prefill = prefill_sweep(engine, [n for n in prompt_lengths if n < engine.max_model_len], vocab)
+    decode = decode_sweep(engine, list(batches), vocab, new_tokens=new_tokens)
+    result: dict[str, Any] = {
+        **provenance(model=engine.source.describe(), kv_cache_memory=kv_cache_memory, dtype=dtype),
+        "machine_ceilings": {"memory_bandwidth_gb_s": round(bandwidth, 2), "fp32_gemm_gflop_s": round(gflops, 1)},
+        "model": sizes,
+        "kv": {"bytes_per_token": kv_per_token, "blocks": kv_blocks, "block_size": engine.block_manager.block_size,
+               "context": context,
+               "max_concurrent_at_context": kv_blocks * engine.block_manager.block_size // context},
+        "prefill": prefill,
+        "decode": decode,
+    }
+    result["roofline"] = {f"batch{b}": roofline(sizes, kv_per_token, bandwidth, gflops, b, 64) for b in batches}
+    result["roofline"]["prefill_attainable_tok_s"] = round(gflops * 1e9 / (2 * sizes["parameters"]), 1)
+    for row in decode:
+        att = result["roofline"][f"batch{row['batch']}"]["decode_attainable_tok_s"]
+        row["fraction_of_roofline"] = round(row["tokens_per_s"] / att, 3)
+    for row in prefill:
+        row["fraction_of_roofline"] = round(row["tokens_per_s"] / result["roofline"]["prefill_attainable_tok_s"], 3)
+    result["bottleneck"], result["levers"] = classify(result)
+    return result
+
+
+def format_summary(r: dict[str, Any]) -> str:
+    lines = [f"memory bandwidth {r['machine_ceilings']['memory_bandwidth_gb_s']} GB/s, "
+             f"fp32 GEMM {r['machine_ceilings']['fp32_gemm_gflop_s']} GFLOP/s; "
+             f"decode streams {r['model']['decode_bytes_per_step'] / 1e6:.0f} MB/step"]
+    lines += [f"prefill {p['prompt_tokens']:>5} tok: {p['tokens_per_s']:>8} tok/s "
+              f"({100 * p['fraction_of_roofline']:.0f}% of compute roofline)" for p in r["prefill"]]
+    lines += [f"decode batch {d['batch']:>3}: {d['tokens_per_s']:>8} tok/s, {d['ms_per_step']} ms/step "
+              f"({100 * d['fraction_of_roofline']:.0f}% of roofline)" for d in r["decode"]]
+    lines.append(f"bottleneck: {r['bottleneck']}")
+    lines += [f"  {i}. {lever}" for i, lever in enumerate(r["levers"], 1)]
+    return "\n".join(lines)

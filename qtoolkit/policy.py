@@ -1,0 +1,165 @@
+"""Sign-off policy: the gates a quantized model must clear, judged on the worst end of each 95% CI.
+
+A gate reads one figure from the eval / bench / quantize results. Quality gates take the CI bound that is worst
+for the candidate (the upper bound of a KLD or NLL increase, the lower bound of a pass@1 or ROUGE delta), so a
+small, noisy sample cannot pass by luck of its point estimate.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import QToolError
+
+POLICY_DIR = Path(str(importlib.resources.files("qtoolkit.recipes"))) / "policies"
+
+
+class PolicyError(QToolError):
+    """The policy file is unknown, malformed or names tasks/metrics that do not exist."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    """Where a figure lives in a task summary, and which CI end is worst for the candidate."""
+
+    path: tuple[str, ...]  # into the task summary
+    worst: Literal["high", "low", "point"]  # which bound to judge on
+    sign: float = 1.0  # -1 turns a delta into a drop (so "max drop" gates read naturally)
+    doc: str = ""
+
+
+_TOKEN_METRICS = {
+    "kld_mean": Metric(("text_stats", "kld"), "high", doc="mean KL divergence candidate || baseline, nats/token"),
+    "kld_p99": Metric(("text_stats", "kld", "p99"), "point", doc="99th percentile of per-token KLD"),
+    "ppl_ratio": Metric(("text_stats", "ppl_ratio"), "high", doc="perplexity ratio candidate / baseline"),
+    "same_top1": Metric(("text_stats", "same_top1"), "low", doc="share of tokens with the same top-1"),
+}
+METRICS: dict[str, dict[str, Metric]] = {
+    "code": {
+        **_TOKEN_METRICS,
+        "pass_at_1_drop": Metric(("pass@1",), "low", -1.0, "HumanEval pass@1 baseline - candidate"),
+        "nll_delta": Metric(("nll_canonical_solution",), "high", doc="NLL of canonical solutions, nats/token"),
+        "greedy_agreement": Metric(("greedy_agreement", "rate"), "point", doc="greedy completions equal"),
+    },
+    "summarization": {
+        **_TOKEN_METRICS,
+        "rouge1_drop": Metric(("rouge1",), "low", -1.0, "ROUGE-1 baseline - candidate"),
+        "rougeL_drop": Metric(("rougeL",), "low", -1.0, "ROUGE-L baseline - candidate"),
+        "nll_delta": Metric(("nll_reference",), "high", doc="NLL of reference summaries, nats/token"),
+    },
+}
+
+
+class Bound(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max: float | None = None
+    min: float | None = None
+
+
+class ThroughputGates(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # full stack (candidate, continuous batching, speculation if enabled) / baseline static batching,
+    # output tok/s at the highest concurrency tier
+    min_speedup: float | None = Field(default=None, gt=0)
+    # candidate / baseline, both with static batching: what quantization alone buys
+    min_quantization_speedup: float | None = Field(default=None, gt=0)
+
+
+class MemoryGates(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_linear_ratio_vs_bf16: float | None = Field(default=None, gt=0)
+    max_checkpoint_bytes: int | None = Field(default=None, gt=0)
+
+
+class Policy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: Literal[1] = 1
+    name: str
+    description: str = ""
+    tasks: dict[str, dict[str, Bound]]
+    throughput: ThroughputGates = ThroughputGates()
+    memory: MemoryGates = MemoryGates()
+    source: str = Field(default="<memory>", exclude=True)
+
+
+def find_policy(spec: str | os.PathLike) -> Path:
+    p = Path(spec)
+    if p.suffix in (".yaml", ".yml") or os.sep in str(spec):
+        if not p.is_file():
+            raise PolicyError(f"policy file {p} not found: pass a YAML path or a shipped policy name")
+        return p
+    named = POLICY_DIR / f"{spec}.yaml"
+    if not named.is_file():
+        shipped = ", ".join(sorted(x.stem for x in POLICY_DIR.glob("*.yaml")))
+        raise PolicyError(f"unknown policy {str(spec)!r}: use one of {shipped} or a YAML path")
+    return named
+
+
+def load_policy(spec: str | os.PathLike = "default") -> Policy:
+    path = find_policy(spec)
+    try:
+        data = yaml.safe_load(path.read_text())
+        policy = Policy.model_validate(data)
+    except yaml.YAMLError as e:
+        raise PolicyError(f"{path}: malformed YAML ({str(e).splitlines()[0]}): fix the syntax") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"])
+        raise PolicyError(f"{path}: {field}: {err['msg']}: fix or remove it") from None
+    for task, gates in policy.tasks.items():
+        if task not in METRICS:
+            raise PolicyError(f"{path}: unknown task {task!r} in tasks: use {', '.join(METRICS)}")
+        for metric, bound in gates.items():
+            if metric not in METRICS[task]:
+                raise PolicyError(f"{path}: unknown metric {metric!r} for task {task}: use one of "
+                                  f"{', '.join(METRICS[task])}")
+            if bound.max is None and bound.min is None:
+                raise PolicyError(f"{path}: tasks.{task}.{metric} needs `max` or `min`")
+    return policy.model_copy(update={"source": str(path)})
+
+
+def _dig(summary: dict[str, Any], path: tuple[str, ...]) -> Any:
+    node: Any = summary
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def read_metric(summary: dict[str, Any], metric: Metric) -> tuple[float | None, float | None]:
+    """(point estimate, value judged) from a task summary; None when the figure is absent."""
+    node = _dig(summary, metric.path)
+    if node is None:
+        return None, None
+    if isinstance(node, (int, float)):
+        return metric.sign * node, metric.sign * node
+    if "delta" in node:  # paired_delta: {"delta", "ci95": [lo, hi]}
+        point, ci = node["delta"], node.get("ci95")
+    else:  # token stats: {"mean_pm": [mean, se], "ci95": [lo, hi]}
+        point, ci = node["mean_pm"][0], node.get("ci95")
+    if point is None:
+        return None, None
+    judged = point
+    if ci and None not in ci and metric.worst != "point":
+        judged = ci[1] if metric.worst == "high" else ci[0]
+    point, judged = metric.sign * point, metric.sign * judged
+    return point, judged
+
+
+def check_bound(value: float | None, bound: Bound) -> tuple[bool, str]:
+    if value is None:
+        return False, "not measured"
+    if bound.max is not None and value > bound.max:
+        return False, f"{value:.4g} > max {bound.max:g}"
+    if bound.min is not None and value < bound.min:
+        return False, f"{value:.4g} < min {bound.min:g}"
+    limits = [f"max {bound.max:g}" if bound.max is not None else "", f"min {bound.min:g}" if bound.min is not None else ""]
+    return True, f"{value:.4g} within {' '.join(x for x in limits if x)}"

@@ -1,0 +1,299 @@
+"""Sign-off report: report.json (every figure), report.md (for a code review), report.html (self-contained, plots
+embedded as PNG data URIs so the file can be mailed or attached to a release ticket)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from .io import write_json
+
+_STATUS = {True: "PASS", False: "FAIL"}
+
+
+def _fmt(v: Any, digits: int = 4) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v + 0.0:.{digits}g}"  # + 0.0 turns -0.0 into 0.0
+    return str(v)
+
+
+# ---- plots ---------------------------------------------------------------------------------------------------
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def plot_throughput(report: dict[str, Any]) -> str | None:
+    ab = report.get("ablation")
+    if not ab or not ab["tiers"]:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for tier in ab["tiers"]:
+        for step in tier["steps"]:
+            series.setdefault(step["label"], []).append((tier["concurrency"], step["output_tok_per_s"]))
+    for label, pts in series.items():
+        xs, ys = zip(*pts, strict=True)
+        ax.plot(xs, ys, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Throughput per ablation step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def plot_quality(report: dict[str, Any]) -> str | None:
+    gates = [g for g in report["gates"] if g["name"].split(".")[0] in ("code", "summarization")]
+    if not gates:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(gates), 1, figsize=(6.5, 0.75 * len(gates) + 0.6), squeeze=False)
+    bounds = report["policy"]["tasks"]
+    for ax, g in zip(axes[:, 0], gates, strict=True):
+        task, metric = g["name"].split(".", 1)
+        bound = bounds[task][metric]
+        limit = bound.get("max") if bound.get("max") is not None else bound.get("min")
+        color = "tab:green" if g["passed"] else "tab:red"
+        if g["point"] is not None:
+            lo, hi = sorted((g["point"], g["judged"]))
+            ax.errorbar([g["point"]], [0], xerr=[[g["point"] - lo], [hi - g["point"]]], fmt="o", color=color,
+                        capsize=4)
+            ax.plot([g["judged"]], [0], marker="|", markersize=14, color=color)
+        ax.axvline(limit, color="black", linestyle="--", linewidth=1)
+        ax.set_yticks([0], [g["name"]])
+        ax.grid(axis="x", alpha=0.3)
+    axes[0, 0].set_title("Quality: point estimate to the judged CI bound, dashed = policy limit")
+    fig.tight_layout()
+    return _png(fig)
+
+
+def plot_kld(eval_records: dict[str, list[float]]) -> str | None:
+    if not eval_records:
+        return None
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    for task, values in eval_records.items():
+        v = np.clip(np.asarray(values), 1e-6, None)
+        ax.hist(v, bins=np.logspace(-6, 1.5, 50), alpha=0.55, label=f"{task} ({v.size} tokens)")
+    ax.set_xscale("log")
+    ax.set_xlabel("per-token KL divergence (nats)")
+    ax.set_ylabel("tokens")
+    ax.set_title("KLD of candidate vs baseline next-token distributions")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def plot_memory(report: dict[str, Any]) -> str | None:
+    q = report.get("quantize")
+    if not q:
+        return None
+    import matplotlib.pyplot as plt
+
+    t = q["totals"]
+    labels = ["source (fp32)", "bf16", f"{q['recipe']['name']}"]
+    values = [t["linear_source_bytes"] / 2**20, t["linear_bf16_bytes"] / 2**20, t["linear_quantized_bytes"] / 2**20]
+    fig, ax = plt.subplots(figsize=(6.5, 2.6))
+    bars = ax.barh(labels, values, color=["tab:gray", "tab:blue", "tab:green"])
+    ax.bar_label(bars, fmt="%.0f MiB", fontsize=8)
+    ax.set_xlabel("Linear-layer weight bytes (MiB)")
+    ax.set_title("Memory: weights of the quantized layers")
+    return _png(fig)
+
+
+def plot_roofline(report: dict[str, Any]) -> str | None:
+    d = report.get("diagnose")
+    if not d:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    batches = [r["batch"] for r in d["decode"]]
+    ax.plot(batches, [r["tokens_per_s"] for r in d["decode"]], marker="o", label="decode achieved")
+    ax.plot(batches, [d["roofline"][f"batch{b}"]["decode_attainable_tok_s"] for b in batches], linestyle="--",
+            label="decode roofline (bandwidth / compute)")
+    ax.axhline(d["roofline"]["prefill_attainable_tok_s"], color="tab:red", linestyle=":",
+               label="prefill compute roofline")
+    for p in d["prefill"]:
+        ax.plot([1], [p["tokens_per_s"]], marker="s", color="tab:red")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("decode batch size (prefill points at x=1)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"Roofline on this machine: bottleneck = {d['bottleneck']}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    return _png(fig)
+
+
+def kld_values(folder: Path) -> dict[str, list[float]]:
+    """Per-token KLD values from the eval records (for the distribution plot)."""
+    path = folder / "eval.json"
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    out = {}
+    for task, entry in data.get("tasks", {}).items():
+        vals = [x for r in entry.get("records", {}).values() for x in (r.get("token_record") or {}).get("kld", [])]
+        if vals:
+            out[task] = vals
+    return out
+
+
+# ---- text ----------------------------------------------------------------------------------------------------
+def markdown(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    lines = [f"# Release sign-off: {report['verdict']}", "",
+             f"Model `{cfg['model']}` with recipe `{cfg['recipe']}` under policy `{report['policy']['name']}` "
+             f"({report['created']}).", ""]
+    if report["reasons"]:
+        lines += ["## Why it fails", ""] + [f"- {r}" for r in report["reasons"]] + [""]
+    lines += ["## Gates", "", "| gate | result | point | judged (CI bound) | detail |", "|---|---|---|---|---|"]
+    lines += [f"| {g['name']} | {_STATUS[g['passed']]} | {_fmt(g['point'])} | {_fmt(g['judged'])} | {g['detail']} |"
+              for g in report["gates"]]
+    lines += ["", "## Steps", "", "| step | status | seconds | note |", "|---|---|---|---|"]
+    for name, s in report["steps"].items():
+        note = s.get("error", "reused" if s.get("skipped") else "")
+        lines.append(f"| {name} | {s.get('status')} | {_fmt(s.get('seconds'))} | {note} |")
+    ab = report.get("ablation")
+    if ab:
+        lines += ["", "## Ablation: output tok/s per layer (marginal gain over the layer above)", ""]
+        for tier in ab["tiers"]:
+            alone = ", ".join(f"{k} {v:.2f}x" for k, v in tier["alone_speedup"].items()) or "-"
+            lines.append(f"**concurrency {tier['concurrency']}** — stacked {_fmt(tier['total_speedup'], 3)}x; "
+                         f"each layer alone over the baseline: {alone}; stacking efficiency "
+                         f"{_fmt(tier.get('stacking_efficiency'), 3)} (1 = the layers compound, < 1 = they overlap)")
+            lines += ["", "| layer | tok/s | marginal |", "|---|---|---|"]
+            lines += [f"| {s['label']} | {s['output_tok_per_s']:.1f} | {_fmt(s['marginal_gain'], 3)} |"
+                      for s in tier["steps"]]
+            lines.append("")
+    if report.get("eval"):
+        lines += ["## Quality per task (candidate vs baseline, paired 95% CI)", ""]
+        for task, e in report["eval"].items():
+            s = e.get("summary") or {}
+            lines.append(f"**{task}** ({e.get('items')} items)")
+            lines += ["", "| metric | candidate | baseline | delta | 95% CI |", "|---|---|---|---|---|"]
+            for k, v in s.items():
+                if isinstance(v, dict) and "delta" in v:
+                    ci = v.get("ci95") or [None, None]
+                    lines.append(f"| {k} | {_fmt(v['candidate'])} | {_fmt(v['baseline'])} | {_fmt(v['delta'])} | "
+                                 f"[{_fmt(ci[0])}, {_fmt(ci[1])}] |")
+            ts = s.get("text_stats") or {}
+            for k in ("kld", "ppl_ratio", "same_top1", "delta_p"):
+                if k in ts:
+                    ci = ts[k].get("ci95") or [None, None]
+                    lines.append(f"| {k} | {_fmt(ts[k]['mean_pm'][0])} ± {_fmt(ts[k]['mean_pm'][1], 2)} | | | "
+                                 f"[{_fmt(ci[0])}, {_fmt(ci[1])}] |")
+            lines.append("")
+    q = report.get("quantize")
+    if q:
+        t = q["totals"]
+        lines += ["## Memory", "", f"Linear weights: {t['linear_quantized_bytes'] / 2**20:.1f} MiB quantized vs "
+                  f"{t['linear_bf16_bytes'] / 2**20:.1f} MiB in bf16 ({t['linear_ratio_vs_bf16']}x); checkpoint "
+                  f"{t['checkpoint_bytes'] / 2**20:.1f} MiB (source {t['source_checkpoint_bytes'] / 2**20:.1f} MiB).", ""]
+    d = report.get("diagnose")
+    if d:
+        lines += ["## Bottleneck", "", f"**{d['bottleneck']}** — bandwidth "
+                  f"{d['machine_ceilings']['memory_bandwidth_gb_s']} GB/s, fp32 GEMM "
+                  f"{d['machine_ceilings']['fp32_gemm_gflop_s']} GFLOP/s.", ""]
+        lines += [f"{i}. {lever}" for i, lever in enumerate(d["levers"], 1)] + [""]
+    lines += ["## Provenance", "", "```json", json.dumps({k: report[k] for k in ("inputs", "versions", "machine")},
+                                                        indent=2), "```", ""]
+    return "\n".join(lines)
+
+
+def _md_to_html(md: str) -> str:
+    """The small Markdown subset markdown() emits: headings, tables, lists, bold, code blocks."""
+    out, in_table, in_code = [], False, False
+    for line in md.splitlines():
+        if line.startswith("```"):
+            out.append("</pre>" if in_code else "<pre>")
+            in_code = not in_code
+            continue
+        if in_code:
+            out.append(html.escape(line))
+            continue
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if set("".join(cells)) <= set("-"):
+                continue
+            tag = "th" if not in_table else "td"
+            if not in_table:
+                out.append("<table>")
+                in_table = True
+            out.append("<tr>" + "".join(f"<{tag}>{_inline(c)}</{tag}>" for c in cells) + "</tr>")
+            continue
+        if in_table:
+            out.append("</table>")
+            in_table = False
+        if line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            out.append(f"<h{level}>{_inline(line[level:].strip())}</h{level}>")
+        elif line.startswith("- ") or line[:3].rstrip(".").isdigit():
+            out.append(f"<p class='item'>{_inline(line)}</p>")
+        elif line.strip():
+            out.append(f"<p>{_inline(line)}</p>")
+    if in_table:
+        out.append("</table>")
+    return "\n".join(out)
+
+
+def _inline(text: str) -> str:
+    import re
+
+    text = html.escape(text)
+    text = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", text)
+    return re.sub(r"`(.+?)`", r"<code>\1</code>", text)
+
+
+def html_report(report: dict[str, Any], md: str, plots: dict[str, str | None]) -> str:
+    color = "#1a7f37" if report["verdict"] == "PASS" else "#cf222e"
+    figs = "".join(f"<figure><img alt='{name}' id='plot-{name}' src='data:image/png;base64,{data}'/></figure>"
+                   for name, data in plots.items() if data)
+    body = _md_to_html(md)
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>Sign-off {html.escape(report['verdict'])}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 980px; margin: 2em auto; color: #1f2328; }}
+h1 {{ color: {color}; }} table {{ border-collapse: collapse; margin: 0.5em 0; }}
+td, th {{ border: 1px solid #d0d7de; padding: 3px 8px; font-size: 13px; }} th {{ background: #f6f8fa; }}
+pre {{ background: #f6f8fa; padding: 8px; font-size: 12px; overflow-x: auto; }}
+figure {{ display: inline-block; margin: 6px; }} p.item {{ margin: 2px 0 2px 1em; }}
+</style></head><body>
+<div class="verdict" id="verdict">{html.escape(report['verdict'])}</div>
+{body.split('</h1>', 1)[0]}</h1>
+<section id="plots">{figs}</section>
+{body.split('</h1>', 1)[1] if '</h1>' in body else ''}
+</body></html>
+"""
+
+
+def write_reports(folder: Path, report: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    plots = {"throughput": plot_throughput(report), "quality": plot_quality(report),
+             "kld": plot_kld(kld_values(folder)), "memory": plot_memory(report), "roofline": plot_roofline(report)}
+    report["plots"] = sorted(k for k, v in plots.items() if v)
+    md = markdown(report)
+    write_json(folder / "report.json", report)
+    for name, text in (("report.md", md), ("report.html", html_report(report, md, plots))):
+        tmp = folder / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(folder / name)

@@ -1,0 +1,218 @@
+"""`qtool signoff`: model + recipe -> quantize, eval, bench (layer-by-layer ablation), diagnose -> verdict + report.
+
+Each step writes its own JSON in the output folder and records the hash of its inputs in `steps.json`; a rerun
+skips a step whose output exists with the same input hash. A failing step does not stop the report: it is marked,
+and the verdict can then only be FAIL.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import QToolError
+from .io import write_json
+from .policy import METRICS, Bound, Policy, check_bound, load_policy, read_metric
+from .progress import status
+from .provenance import provenance, text_sha256
+from .recipe import load_recipe
+from .sources import resolve_model
+
+STEPS = ("quantize", "eval", "bench", "diagnose")
+
+
+@dataclass
+class SignoffConfig:
+    model: str = "default"
+    recipe: str = "fp8-dynamic"
+    output: str = "runs/signoff"
+    policy: str = "default"
+    limit: int = 8
+    endpoint: str | None = None  # evaluate the candidate through a served endpoint instead of the engine
+    concurrency: list[int] = field(default_factory=lambda: [1, 8])
+    num_requests: int | None = None
+    mean_output_tokens: int = 48
+    diagnose_batches: tuple[int, ...] = (1, 8)
+    seed: int = 0
+
+
+@dataclass
+class Gate:
+    name: str
+    passed: bool
+    detail: str
+    point: float | None = None
+    judged: float | None = None
+
+
+class StepRunner:
+    """Runs steps once per input hash; remembers outcomes in steps.json."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.path = folder / "steps.json"
+        self.state: dict[str, Any] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+
+    def run(self, name: str, inputs: dict[str, Any], output: Path, fn: Callable[[], None]) -> dict[str, Any]:
+        key = text_sha256(json.dumps(inputs, sort_keys=True, default=str))
+        prev = self.state.get(name)
+        if prev and prev.get("key") == key and prev.get("status") == "ok" and output.exists():
+            status(f"{name}: up to date ({output.name}), skipped")
+            return {**prev, "skipped": True}
+        status(f"{name}: running")
+        t = time.perf_counter()
+        try:
+            fn()
+            entry = {"key": key, "status": "ok", "output": output.name}
+        except QToolError as e:
+            entry = {"key": key, "status": "error", "error": str(e)}
+        except Exception as e:  # a bug or a library failure: keep the report, mark the step
+            entry = {"key": key, "status": "error", "error": f"{type(e).__name__}: {e}",
+                     "traceback": traceback.format_exc(limit=8)}
+        entry["seconds"] = round(time.perf_counter() - t, 1)
+        self.state[name] = entry
+        write_json(self.path, self.state)
+        if entry["status"] != "ok":
+            status(f"{name}: FAILED: {entry['error']}")
+        return entry
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def evaluate_gates(policy: Policy, evals: dict[str, Any] | None, ablation: dict[str, Any] | None,
+                   quant: dict[str, Any] | None) -> list[Gate]:
+    gates: list[Gate] = []
+    tasks = (evals or {}).get("tasks", {})
+    for task, bounds in policy.tasks.items():
+        summary = (tasks.get(task) or {}).get("summary")
+        for metric_name, bound in bounds.items():
+            name = f"{task}.{metric_name}"
+            if summary is None:
+                gates.append(Gate(name, False, f"no {task} evaluation results"))
+                continue
+            point, judged = read_metric(summary, METRICS[task][metric_name])
+            ok, detail = check_bound(judged, bound)
+            gates.append(Gate(name, ok, detail, point, judged))
+    t = policy.throughput
+    top = (ablation or {}).get("tiers", [])[-1:] or [None]
+    for attr, key in (("min_speedup", "total_speedup"), ("min_quantization_speedup", "quantization_speedup")):
+        limit = getattr(t, attr)
+        if limit is None:
+            continue
+        value = top[0].get(key) if top[0] else None
+        ok, detail = check_bound(value, Bound(min=limit))
+        where = f" at concurrency {top[0]['concurrency']}" if top[0] else ""
+        gates.append(Gate(f"throughput.{attr}", ok, detail + where, value, value))
+    m = policy.memory
+    totals = (quant or {}).get("totals", {})
+    if m.max_linear_ratio_vs_bf16 is not None:
+        v = totals.get("linear_ratio_vs_bf16")
+        ok, detail = check_bound(v, Bound(max=m.max_linear_ratio_vs_bf16))
+        gates.append(Gate("memory.max_linear_ratio_vs_bf16", ok, detail, v, v))
+    if m.max_checkpoint_bytes is not None:
+        v = totals.get("checkpoint_bytes")
+        ok, detail = check_bound(v, Bound(max=m.max_checkpoint_bytes))
+        gates.append(Gate("memory.max_checkpoint_bytes", ok, detail, v, v))
+    return gates
+
+
+def signoff(cfg: SignoffConfig) -> dict[str, Any]:
+    """Run every step (or reuse it), decide, and write report.{json,md,html} into cfg.output."""
+    from .ablation import ablation_table
+    from .report import write_reports
+
+    if cfg.limit <= 0:
+        raise QToolError(f"--limit must be a positive number of items, got {cfg.limit}")
+    policy = load_policy(cfg.policy)  # a bad policy is bad input: exit 2 before any work
+    recipe = load_recipe(cfg.recipe)
+    source = resolve_model(cfg.model)
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = StepRunner(out)
+    ckpt = out / "checkpoint"
+    tasks = ",".join(policy.tasks) or "code,summarization"
+    results: dict[str, dict[str, Any]] = {}
+
+    def do_quantize() -> None:
+        from .quantize import quantize
+
+        quantize(source.path, cfg.recipe, ckpt, overwrite=True)
+
+    results["quantize"] = steps.run("quantize", {"model": source.sha256, "recipe": recipe.sha256},
+                                    ckpt / "quantize_report.json", do_quantize)
+    quant = _load(ckpt / "quantize_report.json") if results["quantize"]["status"] == "ok" else None
+    # the candidate is identified by what made it: the source weights and the recipe
+    cand_key = f"{source.sha256}:{quant['recipe']['sha256']}" if quant else None
+
+    def do_eval() -> None:
+        from qtoolkit.evals.runner import EvalConfig, evaluate
+
+        evaluate(EvalConfig(model=str(ckpt), baseline=str(source.path), tasks=tasks, output=str(out / "eval.json"),
+                            limit=cfg.limit, endpoint=cfg.endpoint, seed=cfg.seed, overwrite=True))
+
+    if quant:
+        results["eval"] = steps.run("eval", {"candidate": cand_key, "baseline": source.sha256, "tasks": tasks,
+                                             "limit": cfg.limit, "endpoint": cfg.endpoint, "seed": cfg.seed},
+                                    out / "eval.json", do_eval)
+
+        def do_bench() -> None:
+            from .ablation import bench_ablation
+
+            write_json(out / "bench.json", bench_ablation(
+                source.path, ckpt, concurrency=cfg.concurrency, num_requests=cfg.num_requests,
+                mean_output_tokens=cfg.mean_output_tokens, seed=cfg.seed))
+
+        from .ablation import BASE_SYSTEMS
+
+        results["bench"] = steps.run("bench", {"candidate": cand_key, "baseline": source.sha256,
+                                               "systems": [s[0] for s in BASE_SYSTEMS],
+                                               "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
+                                               "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed},
+                                     out / "bench.json", do_bench)
+    else:
+        for name in ("eval", "bench"):
+            results[name] = {"status": "error", "error": "skipped: no quantized checkpoint"}
+
+    def do_diagnose() -> None:
+        from .diagnose import diagnose
+
+        write_json(out / "diagnose.json", diagnose(str(source.path), batches=cfg.diagnose_batches,
+                                                   prompt_lengths=(64, 512)))
+
+    results["diagnose"] = steps.run("diagnose", {"model": source.sha256, "batches": cfg.diagnose_batches},
+                                    out / "diagnose.json", do_diagnose)
+
+    evals = _load(out / "eval.json") if results.get("eval", {}).get("status") == "ok" else None
+    bench = _load(out / "bench.json") if results.get("bench", {}).get("status") == "ok" else None
+    ablation = ablation_table(bench) if bench else None
+    gates = evaluate_gates(policy, evals, ablation, quant)
+    failed_steps = [n for n in STEPS if results.get(n, {}).get("status") != "ok"]
+    failed_gates = [g for g in gates if not g.passed]
+    verdict = "PASS" if not failed_steps and not failed_gates and gates else "FAIL"
+    reasons = [f"step {n} failed: {results[n].get('error')}" for n in failed_steps]
+    reasons += [f"gate {g.name} failed: {g.detail}" for g in failed_gates]
+    report = {
+        **provenance(model=source.describe(), recipe={"name": recipe.name, "sha256": recipe.sha256},
+                     policy={"name": policy.name, "path": policy.source}),
+        "verdict": verdict,
+        "reasons": reasons,
+        "config": asdict(cfg),
+        "policy": policy.model_dump(),
+        "gates": [asdict(g) for g in gates],
+        "steps": {n: {k: v for k, v in results.get(n, {}).items() if k != "key"} for n in STEPS},
+        "quantize": {k: quant[k] for k in ("recipe", "totals", "timings", "smoke_test")} if quant else None,
+        "eval": {t: {"items": e.get("items"), "summary": e.get("summary")}
+                 for t, e in (evals or {}).get("tasks", {}).items()} or None,
+        "eval_models": (evals or {}).get("models"),
+        "ablation": ablation,
+        "diagnose": _load(out / "diagnose.json") if results["diagnose"]["status"] == "ok" else None,
+    }
+    write_reports(out, report)
+    return report

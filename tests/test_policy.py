@@ -1,0 +1,58 @@
+"""Sign-off policy and gates: judged on the worst CI bound; unknown tasks/metrics are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from qtoolkit.evals.stats import paired_delta
+from qtoolkit.policy import METRICS, PolicyError, load_policy, read_metric
+from qtoolkit.signoff import evaluate_gates
+
+
+def test_default_policy_loads_and_names_known_metrics():
+    p = load_policy("default")
+    assert set(p.tasks) == {"code", "summarization"}
+    for task, gates in p.tasks.items():
+        assert set(gates) <= set(METRICS[task])
+
+
+@pytest.mark.parametrize("body, words", [
+    ("tasks:\n  poetry:\n    kld_mean: {max: 0.1}\n", "unknown task 'poetry'"),
+    ("tasks:\n  code:\n    vibes: {max: 0.1}\n", "unknown metric 'vibes'"),
+    ("tasks:\n  code:\n    kld_mean: {}\n", "needs `max` or `min`"),
+    ("tasks:\n  code:\n    kld_mean: {max: 0.1}\nextra: 1\n", "extra"),
+])
+def test_bad_policies_are_refused(tmp_path, body, words):
+    f = tmp_path / "p.yaml"
+    f.write_text("version: 1\nname: p\n" + body)
+    with pytest.raises(PolicyError, match=words):
+        load_policy(f)
+
+
+def test_gates_judge_the_worst_ci_bound():
+    # one flipped item out of 8: the point drop is 0.125 but the CI reaches further
+    summary = {"pass@1": paired_delta([1, 0, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0], seed=0)}
+    point, judged = read_metric(summary, METRICS["code"]["pass_at_1_drop"])
+    assert point == pytest.approx(0.125) and judged >= point
+    nll = {"nll_canonical_solution": paired_delta([1.2, 1.0, 1.1], [1.0, 1.0, 1.0], seed=0)}
+    point, judged = read_metric(nll, METRICS["code"]["nll_delta"])
+    assert judged >= point > 0
+
+
+def test_verdict_inputs_missing_fail_the_gate(tmp_path):
+    policy = load_policy("default")
+    gates = evaluate_gates(policy, None, None, None)
+    assert gates and not any(g.passed for g in gates)
+    assert {g.detail for g in gates if g.name.startswith("code.")} == {"no code evaluation results"}
+
+
+def test_identical_models_pass_quality_gates():
+    same = [0.5, 0.2, 0.9, 0.4]
+    summary = {"pass@1": paired_delta(same, same, seed=0),
+               "nll_canonical_solution": paired_delta(same, same, seed=0),
+               "text_stats": {"kld": {"mean_pm": [0.0, 0.0], "ci95": [0.0, 0.0]}}}
+    evals = {"tasks": {"code": {"summary": summary}}}
+    policy = load_policy("default").model_copy(update={"tasks": {"code": load_policy().tasks["code"]}})
+    gates = {g.name: g for g in evaluate_gates(policy, evals, None, None)}
+    assert all(gates[f"code.{m}"].passed for m in ("kld_mean", "nll_delta", "pass_at_1_drop"))
+    assert not gates["throughput.min_speedup"].passed  # no bench results: never a silent PASS
