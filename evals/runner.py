@@ -14,6 +14,7 @@ from qtoolkit.progress import bar, status
 
 from .backend import Backend, make_backend
 from .results import ResultsFile
+from .stats import CONFIDENCE, N_RESAMPLES
 from .task import check_same_vocabulary, make_task, parse_tasks
 
 
@@ -72,7 +73,9 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     identities = {"candidate": model_identity(cfg.model, cfg.endpoint, cfg.backend),
                   "baseline": model_identity(cfg.baseline, cfg.baseline_endpoint, cfg.backend)}
     store = ResultsFile(cfg.output, overwrite=cfg.overwrite,
-                        inputs={"models": identities, "tasks": names, "limit": cfg.limit, "seed": cfg.seed})
+                        inputs={"models": identities, "tasks": names, "limit": cfg.limit, "seed": cfg.seed,
+                                "bootstrap": {"resamples": N_RESAMPLES, "confidence": CONFIDENCE,
+                                              "unit": "item (paired)"}})
     models = _LazyPair(cfg)
     for name in names:
         task = make_task(name, seed=cfg.seed, **cfg.task_options)

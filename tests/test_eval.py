@@ -146,3 +146,16 @@ def test_endpoint_candidate_reports_what_it_cannot_score(tiny_model_dir, tmp_pat
     assert s["pass@1"]["items"] == 1
     assert s["not_computed"] and "echo" in s["not_computed"][0]
     assert res["models"]["candidate"]["backend"] == "openai"
+
+
+def test_engine_and_hf_backends_agree_on_scores(tiny_model_dir):
+    """The hf backend stays as a cross-check of the engine: same teacher-forced distributions."""
+    import torch
+    from qtoolkit.evals.backend import make_backend
+
+    engine, hf = make_backend(str(tiny_model_dir), kind="engine"), make_backend(str(tiny_model_dir), kind="hf")
+    ids = engine.tokenizer("def add(a, b):\n    return a + b\n").input_ids
+    (a,), (b,) = engine.score([ids]), hf.score([ids])
+    assert a.logprobs.shape == b.logprobs.shape == (len(ids) - 1, len(engine.tokenizer))
+    assert torch.allclose(a.logprobs, b.logprobs, atol=2e-3)
+    assert torch.equal(a.top1, b.top1)
