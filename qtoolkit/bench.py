@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,8 +224,12 @@ def bench_serve(model: str = "default", *, endpoint: str | None = None, concurre
                 num_requests: int | None = None, compare_hf: bool = False, seed: int = 0,
                 mean_output_tokens: int = 64, max_output_tokens: int = 128, api: str = "completions",
                 ignore_eos: bool = True, api_key: str | None = None, kv_cache_memory: str = "1GiB",
-                max_num_seqs: int = 64, dtype: str = "auto") -> dict[str, Any]:
-    """Measure every system on the same requests, tier by tier; returns the report (see `format_table`)."""
+                max_num_seqs: int = 64, dtype: str = "auto",
+                on_tier: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Measure every system on the same requests, tier by tier; returns the report (see `format_table`).
+
+    `on_tier(report)` is called after each tier with the report so far (`complete` stays False until the end).
+    """
     from .errors import QToolError
     from .progress import status
     from .provenance import provenance, text_sha256
@@ -275,7 +280,16 @@ def bench_serve(model: str = "default", *, endpoint: str | None = None, concurre
             hf_generate_tier(*hf, build_workload("code", 1, seed=seed + 1, mean_output_tokens=4,
                                                  max_output_tokens=8), 1)
 
-        tiers = []
+        config = {"model": model, "endpoint": endpoint, "systems": list(systems) + (["hf"] if hf else []),
+                  "concurrency": concurrency, "workload": workload, "rate_qps": rate, "seed": seed,
+                  "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens, "api": api,
+                  "ignore_eos": ignore_eos, "kv_cache_memory": kv_cache_memory, "max_num_seqs": max_num_seqs,
+                  "dtype": dtype, "hf_note": "HF runs the tier's requests offline in static batches of the "
+                                             "tier's concurrency (no arrivals); only requested tokens count"}
+        workload_hash = text_sha256(json.dumps([[r.prompt, r.max_tokens] for r in all_requests]))
+        prov = provenance(model=source.describe() if source else {"name": model, "endpoint": endpoint},
+                          workload_sha256=workload_hash)
+        report = {**prov, "config": config, "complete": False, "tiers": []}
         offset = 0
         for t, (c, n) in enumerate(zip(concurrency, sizes, strict=True)):
             reqs = all_requests[offset:offset + n]
@@ -293,19 +307,12 @@ def bench_serve(model: str = "default", *, endpoint: str | None = None, concurre
             engine = results.get("continuous") or results.get("static")
             ratios = {"continuous_over_static": _ratio(results.get("continuous"), results.get("static")),
                       "engine_over_hf": _ratio(engine, results.get("hf"))}
-            tiers.append({"concurrency": c, "num_requests": n, "results": results,
-                          "ratios": {k: v for k, v in ratios.items() if v is not None}})
-
-    config = {"model": model, "endpoint": endpoint, "systems": list(systems) + (["hf"] if hf else []),
-              "concurrency": concurrency, "workload": workload, "rate_qps": rate, "seed": seed,
-              "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens, "api": api,
-              "ignore_eos": ignore_eos, "kv_cache_memory": kv_cache_memory, "max_num_seqs": max_num_seqs,
-              "dtype": dtype, "hf_note": "HF runs the tier's requests offline in static batches of the tier's "
-                                         "concurrency (no arrivals); only requested tokens count as output"}
-    workload_hash = text_sha256(json.dumps([[r.prompt, r.max_tokens] for r in all_requests]))
-    prov = provenance(model=source.describe() if source else {"name": model, "endpoint": endpoint},
-                      workload_sha256=workload_hash)
-    return {**prov, "config": config, "tiers": tiers}
+            report["tiers"].append({"concurrency": c, "num_requests": n, "results": results,
+                                    "ratios": {k: v for k, v in ratios.items() if v is not None}})
+            if on_tier is not None:
+                on_tier(report)  # long CPU runs keep what they measured if stopped
+    report["complete"] = True
+    return report
 
 
 def format_table(report: dict[str, Any]) -> str:

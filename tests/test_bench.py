@@ -76,8 +76,11 @@ def test_run_load_reports_http_errors(server_url):
 
 
 def test_bench_serve_against_an_endpoint(server_url):
+    partial = []
     report = bench_serve(endpoint=f"{server_url}/v1", concurrency=[1, 3], num_requests=3, workload="code",
-                         mean_output_tokens=4, max_output_tokens=8)
+                         mean_output_tokens=4, max_output_tokens=8,
+                         on_tier=lambda r: partial.append((len(r["tiers"]), r["complete"])))
+    assert partial == [(1, False), (2, False)] and report["complete"]
     assert report["schema_version"] >= 1 and report["inputs"]["workload_sha256"]
     assert report["config"]["model"] == "tiny-llama0"  # `default` resolved through /v1/models
     assert [t["concurrency"] for t in report["tiers"]] == [1, 3]

@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
                          compare_hf=args.compare == "hf", seed=args.seed, mean_output_tokens=args.mean_output_tokens,
                          max_output_tokens=args.max_output_tokens, api=args.api, ignore_eos=args.ignore_eos,
                          api_key=args.api_key, kv_cache_memory=args.kv_cache_memory,
-                         max_num_seqs=args.max_num_seqs, dtype=args.dtype)
+                         max_num_seqs=args.max_num_seqs, dtype=args.dtype,
+                         on_tier=lambda partial: write_json(args.output, partial))
     path = write_json(args.output, report)
     print(format_table(report))
     print(f"wrote {path}")
