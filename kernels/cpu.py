@@ -1,11 +1,13 @@
 """CPU dequant-matmul paths: the AVX2 kernels of cpu_kernels.cpp where they win, torch everywhere else.
 
-Measured on this AVX2 EPYC with 2 threads (`qtool bench kernels`, see the report JSON for figures):
-- M <= GEMV_MAX_M: the AVX2 kernels read the packed weight once and dequantize in registers, so they run
-  near DRAM bandwidth; at decode sizes they beat dense fp32/bf16 (which read 8x/4x more bytes) and aten's
-  `_weight_int4pack_mm_for_cpu` (compute-bound on AVX2, needs bf16 activations).
-- M > GEMV_MAX_M (prefill, big batches): the per-row integer work grows with M while one dequantize into a
-  transient fp32 matrix followed by MKL sgemm is amortized over the rows, so that wins.
+Measured on this AVX2 EPYC (`qtool bench kernels --threads 1`, 4096x4096, weights streamed from DRAM):
+- M <= the GEMV limit: the AVX2 kernels read the packed weight once and dequantize in registers. INT4 M=1 runs
+  at 3.5x dense fp32 and 3.8x bf16 (~60% of the bandwidth of one thread), and 3-6x both up to M=16; aten's
+  `_weight_int4pack_mm_for_cpu` reaches only 1.1x fp32 at M=1 (compute-bound on AVX2, bf16 activations).
+- above it (prefill, big batches) the GEMV's per-row integer work grows with M, while dequantizing a block of
+  rows into a cache-sized fp32 buffer and running MKL sgemm on it amortizes over the rows. INT4 at M=32:
+  GEMV 36 ms vs blocked 63 ms; at M=64 they tie (100 vs 106); at M=256 blocked wins (267 ms, fp32 296 ms).
+  Dequantizing the whole matrix at once instead costs a 67 MB allocation per call and was 1.6x slower.
 Every function takes 2-D fp32 activations and returns fp32 [M, N].
 """
 
@@ -16,9 +18,14 @@ import torch
 from .cpu_build import cpu_kernels
 from .reference import unpack_int32
 
-# Largest batch (rows of x) that goes through the register-dequant GEMV kernels; above it dequantize + sgemm.
-# At M=16 the INT4 kernel is still ~1.5-2x faster than dequant+sgemm on the 4096-class shapes; at M=32 they meet.
+# Largest batch (rows of x) that goes through the register-dequant GEMV kernels; above it blocked dequant + sgemm.
+# INT4 does less integer work per weight than INT8/FP8 (two nibbles per byte, one FMA per 32 weights), so its
+# crossover with the blocked path comes later (M ~ 64 vs ~ 24 for INT8/FP8 on 4096x4096).
 GEMV_MAX_M = 16
+INT4_GEMV_MAX_M = 32
+# Rows dequantized per block in the prefill path: ~4 MiB of fp32 weights stays in the 32 MiB L3 between being
+# written and being read by sgemm, and is wide enough for MKL's tiles (1 MiB blocks measured ~10% slower).
+BLOCK_BYTES = 4 << 20
 
 
 def _no_zeros(zeros: torch.Tensor | None) -> torch.Tensor:
@@ -62,13 +69,31 @@ def dequantize_fp8(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return w.float() * scales.reshape(-1, 1)
 
 
+def blocked_dequant_matmul(x: torch.Tensor, n: int, dequant_rows) -> torch.Tensor:
+    """x @ W^T with W dequantized a block of rows at a time (dequant_rows(r0, r1) -> fp32 [r1 - r0, K])."""
+    rows = max(16, BLOCK_BYTES // (4 * x.shape[1]))
+    if rows >= n:
+        return x @ dequant_rows(0, n).t()
+    y_t = torch.empty(n, x.shape[0], dtype=torch.float32)
+    x_t = x.t()
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        torch.mm(dequant_rows(r0, r1), x_t, out=y_t[r0:r1])
+    return y_t.t()
+
+
+def _rows(t: torch.Tensor | None, r0: int, r1: int) -> torch.Tensor | None:
+    return t[r0:r1] if t is not None and t.numel() else None
+
+
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                 group: int) -> torch.Tensor:
     ext = cpu_kernels()
     k = packed.shape[1] * 8
-    if ext is not None and x.shape[0] <= GEMV_MAX_M and int4_fast_ok(k, group):
+    if ext is not None and x.shape[0] <= INT4_GEMV_MAX_M and int4_fast_ok(k, group):
         return ext.int4_matmul(x, packed, scales, _no_zeros(zeros), group)
-    return x @ dequantize_int4(packed, scales, zeros, group).t()
+    return blocked_dequant_matmul(x, packed.shape[0], lambda r0, r1: dequantize_int4(
+        packed[r0:r1], scales[r0:r1], _rows(zeros, r0, r1), group))
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -76,11 +101,12 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: t
     ext = cpu_kernels()
     if ext is not None and x.shape[0] <= GEMV_MAX_M and int8_fast_ok(q.shape[1], group):
         return ext.int8_matmul(x, q, scales, _no_zeros(zeros), group)
-    return x @ dequantize_int8(q, scales, zeros, group).t()
+    return blocked_dequant_matmul(x, q.shape[0], lambda r0, r1: dequantize_int8(
+        q[r0:r1], scales[r0:r1], _rows(zeros, r0, r1), group))
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     ext = cpu_kernels()
     if ext is not None and x.shape[0] <= GEMV_MAX_M and w.shape[1] % 16 == 0:
         return ext.fp8_matmul(x, w.view(torch.uint8), scales.reshape(-1))
-    return x @ dequantize_fp8(w, scales).t()
+    return blocked_dequant_matmul(x, w.shape[0], lambda r0, r1: dequantize_fp8(w[r0:r1], scales[r0:r1]))
