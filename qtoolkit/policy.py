@@ -157,6 +157,7 @@ def read_metric(summary: dict[str, Any], metric: Metric) -> tuple[float | None, 
 def check_bound(value: float | None, bound: Bound) -> tuple[bool, str]:
     if value is None:
         return False, "not measured"
+    value += 0.0  # -0.0 -> 0.0 in messages
     if bound.max is not None and value > bound.max:
         return False, f"{value:.4g} > max {bound.max:g}"
     if bound.min is not None and value < bound.min:

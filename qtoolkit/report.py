@@ -111,7 +111,7 @@ def plot_memory(report: dict[str, Any]) -> str | None:
     values = [t["linear_source_bytes"] / 2**20, t["linear_bf16_bytes"] / 2**20, t["linear_quantized_bytes"] / 2**20]
     fig, ax = plt.subplots(figsize=(6.5, 2.6))
     bars = ax.barh(labels, values, color=["tab:gray", "tab:blue", "tab:green"])
-    ax.bar_label(bars, fmt="%.0f MiB", fontsize=8)
+    ax.bar_label(bars, fmt="%.1f MiB", fontsize=8)
     ax.set_xlabel("Linear-layer weight bytes (MiB)")
     ax.set_title("Memory: weights of the quantized layers")
     return _png(fig)
@@ -274,9 +274,10 @@ body {{ font-family: system-ui, sans-serif; max-width: 980px; margin: 2em auto; 
 h1 {{ color: {color}; }} table {{ border-collapse: collapse; margin: 0.5em 0; }}
 td, th {{ border: 1px solid #d0d7de; padding: 3px 8px; font-size: 13px; }} th {{ background: #f6f8fa; }}
 pre {{ background: #f6f8fa; padding: 8px; font-size: 12px; overflow-x: auto; }}
-figure {{ display: inline-block; margin: 6px; }} p.item {{ margin: 2px 0 2px 1em; }}
+figure {{ display: inline-block; margin: 6px; }}
+.verdict {{ display: inline-block; color: white; font-weight: bold; padding: 4px 14px; border-radius: 4px; }} p.item {{ margin: 2px 0 2px 1em; }}
 </style></head><body>
-<div class="verdict" id="verdict">{html.escape(report['verdict'])}</div>
+<div class="verdict" id="verdict" style="background:{color}">{html.escape(report['verdict'])}</div>
 {body.split('</h1>', 1)[0]}</h1>
 <section id="plots">{figs}</section>
 {body.split('</h1>', 1)[1] if '</h1>' in body else ''}

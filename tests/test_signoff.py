@@ -1,0 +1,90 @@
+"""`qtool signoff` end to end on a tiny local model (slow set): verdict, resumable steps, failing steps, and the
+HTML report rendered by headless Chromium with its plots on screen."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from qtoolkit.cli import main
+
+pytestmark = pytest.mark.slow
+ARGS = ["--limit", "2", "--concurrency", "1,2", "--num-requests", "2"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("signoff") / "int4"
+    code = main(["signoff", "--model", str(tiny_model_dir), "--recipe", "int4-rtn", *ARGS, "--output", str(out)])
+    assert code in (0, 1)
+    return out
+
+
+def test_report_files_and_verdict(run_dir):
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["verdict"] in ("PASS", "FAIL")
+    assert all(s["status"] == "ok" for s in report["steps"].values())
+    names = {g["name"] for g in report["gates"]}
+    assert {"code.kld_mean", "summarization.kld_mean", "throughput.min_speedup"} <= names
+    assert report["verdict"] == ("PASS" if all(g["passed"] for g in report["gates"]) else "FAIL")
+    assert report["ablation"]["tiers"][0]["steps"][0]["label"].startswith("baseline")
+    assert set(report["plots"]) == {"throughput", "quality", "kld", "memory", "roofline"}
+    md = (run_dir / "report.md").read_text()
+    assert md.startswith(f"# Release sign-off: {report['verdict']}")
+
+
+def test_rerun_reuses_finished_steps(run_dir, tiny_model_dir, capsys):
+    before = json.loads((run_dir / "report.json").read_text())
+    main(["signoff", "--model", str(tiny_model_dir), "--recipe", "int4-rtn", *ARGS, "--output", str(run_dir)])
+    after = json.loads((run_dir / "report.json").read_text())
+    assert all(s.get("skipped") for s in after["steps"].values())
+    assert after["verdict"] == before["verdict"] and after["gates"] == before["gates"]
+
+
+def test_failing_policy_gate_gives_fail_and_names_it(run_dir, tiny_model_dir, tmp_path, capsys):
+    strict = tmp_path / "strict.yaml"
+    strict.write_text("version: 1\nname: strict\ntasks:\n  code:\n    kld_mean: {max: 0.0}\n")
+    out = tmp_path / "copy"
+    shutil.copytree(run_dir, out)  # same inputs: every step is reused, only the gates change
+    code = main(["signoff", "--model", str(tiny_model_dir), "--recipe", "int4-rtn", "--policy", str(strict), *ARGS,
+                 "--output", str(out)])
+    assert code == 1
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"] == "FAIL" and any("code.kld_mean" in r for r in report["reasons"])
+
+
+def test_recipe_that_fails_to_quantize_still_reports(tiny_model_dir, tmp_path):
+    bad = tmp_path / "g128.yaml"  # the tiny model's K = 64 is not divisible by 128
+    bad.write_text("name: g128\nquantization:\n  modifier: QuantizationModifier\n  scheme: W4A16\n")
+    out = tmp_path / "bad"
+    code = main(["signoff", "--model", str(tiny_model_dir), "--recipe", str(bad), *ARGS, "--output", str(out)])
+    report = json.loads((out / "report.json").read_text())
+    assert code == 2 and report["verdict"] == "FAIL"
+    assert report["steps"]["quantize"]["status"] == "error" and "group_size 128" in report["steps"]["quantize"]["error"]
+    assert (out / "report.html").is_file()
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed")
+def test_html_renders_in_headless_chromium_with_plots(run_dir, tmp_path):
+    from PIL import Image
+
+    shot = tmp_path / "report.png"
+    subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                    "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+                    f"--screenshot={shot}", "--window-size=1100,2600", (run_dir / "report.html").as_uri()],
+                   check=True, timeout=120, capture_output=True)
+    img = Image.open(shot).convert("RGB")
+    assert img.size == (1100, 2600)
+    # matplotlib's colored lines, bars and markers: saturated pixels that text and tables never produce
+    colored = sum(1 for r, g, b in img.getdata() if max(r, g, b) - min(r, g, b) > 80)
+    assert colored > 5000, colored
+    dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                          "--disable-background-networking", f"--user-data-dir={tmp_path / 'profile2'}",
+                          (run_dir / "report.html").as_uri()], check=True, timeout=120, capture_output=True,
+                         text=True).stdout
+    for plot in ("throughput", "quality", "kld", "memory", "roofline"):
+        assert f'id="plot-{plot}"' in dom
