@@ -108,6 +108,17 @@ class BlockManager:
             block.ref_count = 1
             seq.block_table.append(block_id)
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Roll back: free the tail blocks `seq` no longer needs to hold `num_tokens` tokens (rejected draft
+        tokens' slots). Those blocks were never registered for reuse: only computed tokens are."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block.block_id] = None
+        del seq.block_hashes[keep:]
+
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's references; tail blocks are freed first so shared prefixes stay cached longest."""
         for block_id in reversed(seq.block_table):

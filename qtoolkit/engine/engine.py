@@ -10,6 +10,7 @@ import itertools
 import json
 import re
 import threading
+import time
 from collections import deque
 
 import torch
@@ -22,6 +23,18 @@ from .params import EngineInputError, RequestOutput, SamplingParams
 from .sampler import sample
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .speculative import (
+    DEFAULT_MAX_VERIFY_TOKENS,
+    MAX_SPECULATIVE_TOKENS,
+    Proposal,
+    Proposer,
+    SpeculationPolicy,
+    SpeculativeConfigError,
+    SpeculativeMetrics,
+    build_proposer,
+    check_speculative_args,
+    verify,
+)
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -43,11 +56,15 @@ class Engine:
     def __init__(self, model: str | ModelSource = "default", *, kv_cache_memory: str | int = "1GiB",
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                  batching: str = "continuous", dtype: str = "auto", enable_prefix_caching: bool = True,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, speculative: str | None = None,
+                 num_speculative_tokens: int = 4, max_verify_tokens: int = DEFAULT_MAX_VERIFY_TOKENS):
         from transformers import AutoTokenizer
 
         from ..model.loader import load_model
 
+        spec = check_speculative_args(speculative, num_speculative_tokens)  # bad flags fail before loading
+        if max_verify_tokens <= 0:
+            raise SpeculativeConfigError(f"max_verify_tokens must be positive, got {max_verify_tokens}")
         if batching not in ("continuous", "static"):
             raise EngineInputError(f"batching {batching!r} is unknown: use continuous or static")
         if block_size <= 0 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
@@ -67,6 +84,19 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, batching=batching)
         self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.proposer: Proposer | None = None
+        self.spec_policy: SpeculationPolicy | None = None
+        self.spec_metrics: SpeculativeMetrics | None = None
+        if spec is not None:
+            # the draft's KV holds what the target's does plus k lookahead slots per running sequence
+            extra = max_num_seqs * -(-MAX_SPECULATIVE_TOKENS // block_size)
+            self.proposer = build_proposer(spec, self.model, self.tokenizer, num_blocks=num_blocks + extra,
+                                           block_size=block_size, dtype=dtype)
+            draft = getattr(self.proposer, "model", None)
+            if draft is not None:
+                self.max_model_len = min(self.max_model_len, draft.config.max_position_embeddings)
+            self.spec_policy = SpeculationPolicy(num_speculative_tokens, max_verify_tokens)
+            self.spec_metrics = SpeculativeMetrics(spec, num_speculative_tokens, max_verify_tokens)
         self.eos_token_ids = self._eos_ids()
         self._seqs: dict[str, Sequence] = {}
         self._inbox: deque[tuple[str, object]] = deque()
@@ -124,12 +154,17 @@ class Engine:
                     self._seqs[item.request_id] = item
                     self.scheduler.add(item)
                 elif (seq := self._seqs.pop(item, None)) is not None:
-                    self.scheduler.remove(seq)
+                    self._remove(seq)
                     seq.finish("abort")
                     aborted.append(seq.report())
         return aborted
 
     # -- one iteration ------------------------------------------------------------------------------------
+    def _remove(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
+
     def step(self) -> list[RequestOutput]:
         with self._lock:
             outputs = self._apply_inbox()
@@ -138,25 +173,110 @@ class Engine:
                 return outputs
             work = plan.work
             num_logits = [1 if seq.num_computed_tokens + n == len(seq) else 0 for seq, n in work]
+            proposals = self._propose(work, num_logits) if self.proposer is not None else {}
+            t_verify = time.perf_counter()
             logits = self.runner.run(work, num_logits)
-            sampled = [seq for (seq, _), k in zip(work, num_logits, strict=True) if k]
-            tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
-            for seq, n in work:
+            new_tokens = self._choose_tokens(work, num_logits, logits, proposals)
+            if proposals:
+                self.spec_metrics.verify_seconds += time.perf_counter() - t_verify
+            for i, (seq, n) in enumerate(work):
                 if seq.num_computed_tokens < seq.num_prompt_tokens:
                     self.counters["prompt_tokens"] += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-                seq.num_computed_tokens += n
+                if i in proposals:
+                    # only the accepted drafts keep their KV; the rejected slots are handed back
+                    seq.num_computed_tokens += len(new_tokens[i])
+                    self.block_manager.shrink(seq, seq.num_computed_tokens)
+                else:
+                    seq.num_computed_tokens += n
                 self.block_manager.register_full_blocks(seq)
             self.counters["steps"] += 1
-            self.counters["generation_tokens"] += len(sampled)
-            for seq, token in zip(sampled, tokens, strict=True):
-                new_text = seq.append_token(token)
-                self._check_finished(seq, token, new_text)
-                if seq.finished:
-                    self.scheduler.remove(seq)
-                    self._seqs.pop(seq.request_id, None)
-                    self.counters["requests_finished"] += 1
-                outputs.append(seq.report())
+            for i, (seq, _) in enumerate(work):
+                for token in new_tokens.get(i, ()):
+                    new_text = seq.append_token(token)
+                    self.counters["generation_tokens"] += 1
+                    self._check_finished(seq, token, new_text)
+                    if seq.finished:  # EOS, a stop string or max_tokens inside an accepted run: drop the rest
+                        self._remove(seq)
+                        self._seqs.pop(seq.request_id, None)
+                        self.counters["requests_finished"] += 1
+                        break
+                if i in new_tokens:
+                    outputs.append(seq.report())
             return outputs
+
+    def _propose(self, work: list[tuple[Sequence, int]], num_logits: list[int]) -> dict[int, Proposal]:
+        """Ask the proposer for the decoding sequences' drafts; they are appended to the sequences' tokens
+        (and KV blocks) so the verification forward scores them, and taken back out after verification."""
+        decoding = [i for i, (seq, n) in enumerate(work) if n == 1 and num_logits[i] == 1]
+        if not decoding:
+            return {}
+        step_tokens = sum(n for _, n in work)
+        caps = []
+        for i in decoding:
+            seq = work[i][0]
+            # never draft past max_tokens (the target adds one token of its own) or the context
+            caps.append(max(0, min(seq.params.max_tokens - seq.num_output_tokens - 1,
+                                   self.max_model_len - len(seq),
+                                   self.scheduler.max_num_batched_tokens - step_tokens)))
+        ks = self.spec_policy.plan([(work[i][0], c) for i, c in zip(decoding, caps, strict=True)], step_tokens)
+        batch = []
+        for i, k in zip(decoding, ks, strict=True):
+            seq = work[i][0]
+            while k > 0 and not self.block_manager.can_grow(seq, len(seq) + k):
+                k -= 1  # speculation never preempts anyone: it only uses free blocks
+            if k > 0:
+                batch.append((i, k))
+        if not batch:
+            self.spec_metrics.steps_without_speculation += 1
+            return {}
+        t0 = time.perf_counter()
+        drafted = self.proposer.propose([(work[i][0], k) for i, k in batch])
+        self.spec_metrics.proposer_seconds += time.perf_counter() - t0
+        proposals = {}
+        for (i, k), proposal in zip(batch, drafted, strict=True):
+            proposal.tokens = proposal.tokens[:k]
+            if not proposal.tokens:
+                continue
+            seq = work[i][0]
+            seq.token_ids.extend(proposal.tokens)
+            self.block_manager.grow(seq, len(seq))
+            work[i] = (seq, 1 + len(proposal.tokens))
+            num_logits[i] = 1 + len(proposal.tokens)
+            proposals[i] = proposal
+        if proposals:
+            self.spec_metrics.steps_with_speculation += 1
+        else:
+            self.spec_metrics.steps_without_speculation += 1
+        return proposals
+
+    def _choose_tokens(self, work: list[tuple[Sequence, int]], num_logits: list[int], logits: torch.Tensor,
+                       proposals: dict[int, Proposal]) -> dict[int, list[int]]:
+        """The tokens each sequence gains this step: one sampled token, or the verified run of a proposal."""
+        rows, plain, offset = {}, [], 0
+        for i, count in enumerate(num_logits):
+            rows[i] = offset
+            if count and i not in proposals:
+                plain.append(i)
+            offset += count
+        chosen: dict[int, list[int]] = {}
+        if plain:
+            plain_logits = logits if not proposals else logits.index_select(0, torch.tensor([rows[i] for i in plain]))
+            seqs = [work[i][0] for i in plain]
+            sampled = sample(plain_logits, [s.params for s in seqs], [s.generator for s in seqs])
+            chosen.update((i, [t]) for i, t in zip(plain, sampled, strict=True))
+        for i, proposal in proposals.items():
+            seq, k = work[i][0], len(proposal.tokens)
+            del seq.token_ids[-k:]
+            tokens = verify(logits[rows[i]:rows[i] + k + 1], proposal.tokens, proposal.draft_probs, seq.params,
+                            seq.generator)
+            accepted = len(tokens) - 1
+            seq.num_draft_tokens += k
+            seq.num_accepted_tokens += accepted
+            seq.num_spec_steps += 1
+            self.spec_policy.update(seq, k, accepted)
+            self.spec_metrics.record(k, accepted)
+            chosen[i] = tokens
+        return dict(sorted(chosen.items()))
 
     def _check_finished(self, seq: Sequence, token: int, new_text: str) -> None:
         p = seq.params
@@ -260,4 +380,5 @@ class Engine:
             "kv_blocks_free": bm.num_free_blocks, "block_size": bm.block_size,
             "num_preemptions": self.scheduler.num_preemptions, "prefix_cache_hit_tokens": bm.num_prefix_hits,
             **self.counters,
+            **({"speculative": self.spec_metrics.as_dict()} if self.spec_metrics is not None else {}),
         }

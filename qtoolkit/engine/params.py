@@ -53,3 +53,14 @@ class RequestOutput:
     num_output_tokens: int
     text: str
     token_ids: list[int]
+    # speculative decoding, cumulative for the request (all 0 without a proposer)
+    num_draft_tokens: int = 0  # tokens proposed and verified
+    num_accepted_tokens: int = 0  # of those, accepted by the target
+    num_spec_steps: int = 0  # verification steps that carried at least one proposal
+
+    def speculative_usage(self) -> dict[str, float | int]:
+        """Per-request acceptance figures for the API usage block."""
+        return {"draft_tokens": self.num_draft_tokens, "accepted_tokens": self.num_accepted_tokens,
+                "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
+                "mean_accepted_length": (self.num_accepted_tokens + self.num_spec_steps) / self.num_spec_steps
+                if self.num_spec_steps else 0.0}

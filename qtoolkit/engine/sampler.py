@@ -27,21 +27,25 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def warped_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each (non-greedy) row samples from: temperature, then top-k / top-p, then softmax."""
+    sub = logits.float()
+    temps = torch.tensor([p.temperature for p in params], dtype=sub.dtype)
+    sub = sub / temps[:, None]
+    top_k = torch.tensor([p.top_k for p in params])
+    top_p = torch.tensor([p.top_p for p in params], dtype=sub.dtype)
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        sub = apply_top_k_top_p(sub, top_k, top_p)
+    return sub.softmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """logits [R, V] float32, one row per request -> one token id per row."""
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens.tolist()
-    idx = torch.tensor(rows)
-    sub = logits.index_select(0, idx).float()
-    temps = torch.tensor([params[i].temperature for i in rows], dtype=sub.dtype)
-    sub = sub / temps[:, None]
-    top_k = torch.tensor([params[i].top_k for i in rows])
-    top_p = torch.tensor([params[i].top_p for i in rows], dtype=sub.dtype)
-    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
-        sub = apply_top_k_top_p(sub, top_k, top_p)
-    probs = sub.softmax(dim=-1)
+    probs = warped_probs(logits.index_select(0, torch.tensor(rows)), [params[i] for i in rows])
     out = tokens.tolist()
     for j, i in enumerate(rows):
         out[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]))

@@ -1,0 +1,124 @@
+"""Draft-model proposer (Leviathan et al.): a cheaper model with the target's vocabulary runs k autoregressive
+steps per sequence, batched over all speculating sequences, in a paged KV cache of its own.
+
+Each target sequence has a shadow sequence here holding the draft's KV. Nothing is rolled back eagerly: at the
+next proposal the shadow is compared with the target's tokens, and its computed count and blocks are cut back
+to the longest common prefix (the accepted tokens), so rejected drafts' slots are freed and overwritten.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...model.llama import LlamaModel
+from ..block_manager import BlockManager
+from ..model_runner import ModelRunner
+from ..params import SamplingParams
+from ..sampler import warped_probs
+from ..sequence import Sequence
+from .base import Proposal
+
+_GREEDY = SamplingParams()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class DraftModelProposer:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, name: str = "draft"):
+        self.name = name
+        self.model = model
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.shadows: dict[str, Sequence] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self.last_used: dict[str, float] = {}
+
+    def _shadow(self, seq: Sequence) -> Sequence:
+        shadow = self.shadows.get(seq.request_id)
+        if shadow is None:
+            shadow = self.shadows[seq.request_id] = Sequence(seq.request_id, seq.token_ids, _GREEDY)
+            if not seq.params.greedy:
+                # the draft's own stream of randomness, seeded from the request so seeded runs repeat
+                gen = torch.Generator()
+                gen.manual_seed(seq.params.seed + 1 if seq.params.seed is not None else int(gen.seed()))
+                self.generators[seq.request_id] = gen
+        keep = min(shadow.num_computed_tokens, common_prefix(shadow.token_ids, seq.token_ids))
+        # the last token must always be fed, so a fully matching shadow still recomputes it
+        keep = min(keep, len(seq) - 1)
+        shadow.token_ids = list(seq.token_ids)
+        shadow.num_computed_tokens = keep
+        self.blocks.shrink(shadow, keep)
+        self.last_used[seq.request_id] = time.monotonic()
+        return shadow
+
+    def _reserve(self, shadow: Sequence, num_tokens: int, keep: set[str]) -> bool:
+        """Blocks for `num_tokens` draft KV slots, evicting shadows of sequences not in this step (LRU)."""
+        while not self.blocks.can_grow(shadow, num_tokens):
+            idle = [r for r in self.shadows if r not in keep]
+            if not idle:
+                return False
+            self.release_id(min(idle, key=self.last_used.__getitem__))
+        self.blocks.grow(shadow, num_tokens)
+        return True
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
+        tokens = logits.argmax(dim=-1).tolist()
+        probs: list[torch.Tensor | None] = [None] * len(seqs)
+        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if rows:
+            q = warped_probs(logits.index_select(0, torch.tensor(rows)), [seqs[i].params for i in rows])
+            for j, i in enumerate(rows):
+                tokens[i] = int(torch.multinomial(q[j], 1, generator=self.generators[seqs[i].request_id]))
+                probs[i] = q[j]
+        return tokens, probs
+
+    @torch.inference_mode()
+    def propose(self, batch: list[tuple[Sequence, int]]) -> list[Proposal]:
+        out = [Proposal([]) for _ in batch]
+        active: list[tuple[int, Sequence, Sequence, int]] = []  # (index, target seq, shadow, k)
+        in_step = {seq.request_id for seq, k in batch if k > 0}
+        for i, (seq, k) in enumerate(batch):
+            if k <= 0:
+                continue
+            shadow = self._shadow(seq)
+            # KV for every token fed: the sequence so far plus the first k-1 drafts (the k-th is never fed)
+            if self._reserve(shadow, len(seq) + k - 1, in_step):
+                active.append((i, seq, shadow, k))
+        draft_probs: dict[int, list[torch.Tensor]] = {}
+        step = 0
+        while active:
+            work = [(shadow, len(shadow) - shadow.num_computed_tokens) for _, _, shadow, _ in active]
+            logits = self.runner.run(work, [1] * len(work))
+            tokens, probs = self._choose(logits, [seq for _, seq, _, _ in active])
+            still = []
+            for (i, seq, shadow, k), (_, n), token, q in zip(active, work, tokens, probs, strict=True):
+                shadow.num_computed_tokens += n
+                shadow.token_ids.append(token)
+                out[i].tokens.append(token)
+                if q is not None:
+                    draft_probs.setdefault(i, []).append(q)
+                if step + 1 < k:
+                    still.append((i, seq, shadow, k))
+            active = still
+            step += 1
+        for i, rows in draft_probs.items():
+            out[i].draft_probs = torch.stack(rows)
+        return out
+
+    def release_id(self, request_id: str) -> None:
+        shadow = self.shadows.pop(request_id, None)
+        if shadow is not None:
+            self.blocks.release(shadow)
+        self.generators.pop(request_id, None)
+        self.last_used.pop(request_id, None)
+
+    def release(self, seq: Sequence) -> None:
+        self.release_id(seq.request_id)

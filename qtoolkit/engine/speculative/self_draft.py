@@ -1,0 +1,62 @@
+"""The target's own quantized copy as its draft (`self-int4`, `self-fp8`): same weights rounded to a cheaper
+format in memory, so it shares the tokenizer, embeddings and norms and agrees with the target most of the time.
+
+Quantization uses the project's reference quantizer (RTN, exactly what `qtool quantize` writes for these
+schemes) and the kernels' Linear modules, so the draft runs the same quantized matmuls a shipped checkpoint would.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...model.llama import LlamaModel
+from .base import SpeculativeConfigError
+
+# Group 32 lines up with the default model's Q4_1 blocks (MEASUREMENTS.md: group 64 diverges within tokens).
+INT4_SCHEME = {"format": "pack-quantized",
+               "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}
+FP8_SCHEME = {"format": "float-quantized",
+              "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"},
+              "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                                    "strategy": "token"}}
+SCHEMES = {"int4": INT4_SCHEME, "fp8": FP8_SCHEME}
+
+
+def _dense_weight(module: nn.Module, name: str) -> torch.Tensor:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        raise SpeculativeConfigError(f"cannot make a quantized self-draft: {name} of the target is already "
+                                     "quantized; serve the full-precision model or pass --speculative draft:PATH")
+    return weight
+
+
+def quantize_copy(target: LlamaModel, kind: str) -> LlamaModel:
+    """A LlamaModel sharing the target's embeddings and norms, its Linears (lm_head included) quantized."""
+    from qtoolkit.kernels.reference import quantize_weight
+
+    from qtoolkit.model.quant_linear import make_linear
+
+    if kind not in SCHEMES:
+        raise SpeculativeConfigError(f"self-draft format {kind!r} is unknown: use self-int4 or self-fp8")
+    scheme = SCHEMES[kind]
+
+    def quantized(module: nn.Module, name: str) -> nn.Module:
+        weight = _dense_weight(module, name).float()
+        bias = getattr(module, "bias", None)
+        return make_linear(quantize_weight(weight, scheme), scheme, None if bias is None else bias.float())
+
+    draft = LlamaModel(target.config, torch.float32)
+    draft.embed_tokens = nn.Parameter(target.embed_tokens.float(), requires_grad=False)
+    for i, (src, dst) in enumerate(zip(target.layers, draft.layers, strict=True)):
+        dst.input_norm.weight = nn.Parameter(src.input_norm.weight.float(), requires_grad=False)
+        dst.post_attn_norm.weight = nn.Parameter(src.post_attn_norm.weight.float(), requires_grad=False)
+        dst.attn.qkv_proj = quantized(src.attn.qkv_proj, f"layer {i} qkv_proj")
+        dst.attn.o_proj = quantized(src.attn.o_proj, f"layer {i} o_proj")
+        dst.mlp.gate_up_proj = quantized(src.mlp.gate_up_proj, f"layer {i} gate_up_proj")
+        dst.mlp.down_proj = quantized(src.mlp.down_proj, f"layer {i} down_proj")
+    draft.norm.weight = nn.Parameter(target.norm.weight.float(), requires_grad=False)
+    # the tied head is a fifth of an fp32 step's bytes: quantizing it too is what makes the draft cheap
+    draft.lm_head = quantized(target.lm_head, "lm_head")
+    draft.cast_rope()
+    return draft.eval()

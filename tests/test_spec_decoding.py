@@ -1,0 +1,139 @@
+"""Speculative decoding in the engine (tiny models): greedy output token-identical to plain decoding for every
+proposer, alone and in mixed batches with preemption; stop strings and max_tokens inside accepted runs;
+rollback of rejected KV slots; start-up errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_model_llama import build_sharp_tiny_llama
+
+from qtoolkit.engine import Engine, SamplingParams
+from qtoolkit.engine.speculative import SpeculativeConfigError
+
+# repetitive prompts give prompt lookup something to find; the tiny random model also loops on its own
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return", "one two three one two three one two",
+           "The quick brown fox", "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,", "hello hello hello",
+           "Summarize: the rain fell on the plain. The rain fell", "class Stack:\n    def __init__(self):", "a b"]
+
+
+@pytest.fixture(scope="module")
+def sharp_dir(tmp_path_factory, tokenizer_dir):
+    return build_sharp_tiny_llama(tmp_path_factory.mktemp("sharp-spec"), tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory, tokenizer_dir):
+    """A different random model with the same tokenizer: a draft that is mostly wrong."""
+    return build_sharp_tiny_llama(tmp_path_factory.mktemp("other-spec"), tokenizer_dir, seed=1)
+
+
+def make(model_dir, blocks: int = 512, block_size: int = 4, **kw) -> Engine:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_block = 2 * cfg["num_hidden_layers"] * block_size * cfg["num_key_value_heads"] * head_dim * 4  # fp32
+    return Engine(str(model_dir), kv_cache_memory=blocks * per_block, block_size=block_size, **kw)
+
+
+def greedy_params(n: int = len(PROMPTS)) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=10 + 5 * (i % 3), ignore_eos=True) for i in range(n)]
+
+
+def run(engine: Engine, prompts=PROMPTS, params=None):
+    outs = engine.generate(prompts, params or greedy_params(len(prompts)), use_tqdm=False)
+    return [(o.token_ids, o.text, o.finish_reason) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(sharp_dir):
+    return run(make(sharp_dir))
+
+
+def proposer_specs(sharp_dir, other_dir) -> list[str]:
+    return ["ngram", "self-int4", "self-fp8", f"draft:{sharp_dir}", f"draft:{other_dir}"]
+
+
+def test_greedy_identity_every_proposer_batch_1_and_mixed_batch(sharp_dir, other_dir, reference):
+    for spec in proposer_specs(sharp_dir, other_dir):
+        engine = make(sharp_dir, speculative=spec, num_speculative_tokens=4, max_verify_tokens=64)
+        single = [run(engine, [p], greedy_params()[i:i + 1])[0] for i, p in enumerate(PROMPTS[:3])]
+        assert single == reference[:3], spec
+        assert run(engine) == reference, spec
+        stats = engine.stats()
+        spec_stats = stats["speculative"]
+        assert spec_stats["draft_tokens"] > 0, spec
+        assert stats["kv_blocks_used"] == 0, spec  # every block, rejected slots included, came back
+        if spec == f"draft:{sharp_dir}":  # the target drafting for itself: everything is accepted
+            assert spec_stats["acceptance_rate"] == 1.0
+            assert spec_stats["mean_accepted_length"] > 3
+
+
+def test_greedy_identity_with_preemption_and_chunked_prefill(sharp_dir, reference):
+    for spec in ("ngram", f"draft:{sharp_dir}"):
+        engine = make(sharp_dir, blocks=24, max_num_batched_tokens=32, speculative=spec, max_verify_tokens=64)
+        assert run(engine) == reference, spec
+        stats = engine.stats()
+        assert stats["num_preemptions"] > 0 and stats["speculative"]["draft_tokens"] > 0, spec
+        if spec.startswith("draft"):
+            assert stats["speculative"]["accepted_tokens"] > 0
+        assert stats["kv_blocks_used"] == 0
+
+
+def test_stop_strings_and_max_tokens_inside_an_accepted_run(sharp_dir, reference):
+    # stops taken from the middle of the plain output: the accepted run must be cut exactly there
+    stops = [[text[len(text) // 2:len(text) // 2 + 3]] if len(text) > 8 else [] for _, text, _ in reference]
+    params = [SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, stop=s)
+              for p, s in zip(greedy_params(), stops, strict=True)]
+    plain = run(make(sharp_dir), params=params)
+    spec = make(sharp_dir, speculative=f"draft:{sharp_dir}", num_speculative_tokens=8, max_verify_tokens=64)
+    assert run(spec, params=params) == plain
+    assert sum(r == "stop" for _, _, r in plain) >= 3
+    # max_tokens smaller than k: the draft is capped, the output has exactly max_tokens tokens
+    out = spec.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert [len(o.token_ids) for o in out] == [3, 3]
+    assert [o.token_ids for o in out] == [r[0][:3] for r in reference[:2]]
+
+
+def test_per_request_counters_and_policy_turns_speculation_off_for_big_batches(sharp_dir, reference):
+    engine = make(sharp_dir, speculative=f"draft:{sharp_dir}", num_speculative_tokens=4)  # default budget 8
+    outs = engine.generate(PROMPTS[:1], greedy_params(1), use_tqdm=False)
+    usage = outs[0].speculative_usage()
+    assert usage["draft_tokens"] > 0 and usage["acceptance_rate"] == 1.0
+    before = engine.stats()["speculative"]["draft_tokens"]
+    # 8 sequences decoding at once fill the verification budget: no proposals, plain decoding
+    big = run(engine, PROMPTS, [SamplingParams(max_tokens=6, ignore_eos=True)] * len(PROMPTS))
+    assert [t for t, _, _ in big] == [t[:6] for t, _, _ in reference]
+    assert engine.stats()["speculative"]["steps_without_speculation"] > 0
+    assert engine.stats()["speculative"]["draft_tokens"] - before < 6 * len(PROMPTS)
+
+
+def test_sampled_requests_with_speculation_are_seeded_and_complete(sharp_dir):
+    engine = make(sharp_dir, speculative=f"draft:{sharp_dir}", max_verify_tokens=64)
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7 + i, ignore_eos=True)
+              for i in range(4)]
+    first = run(engine, PROMPTS[:4], params)
+    assert run(engine, PROMPTS[:4], params) == first
+    assert all(len(t) == 12 for t, _, _ in first)
+    assert engine.stats()["speculative"]["acceptance_rate"] > 0.5  # p == q: rejection is rare
+
+
+def test_bad_speculative_settings_fail_at_start_up(sharp_dir, tmp_path):
+    for kwargs, words in [({"speculative": "medusa"}, "unknown"),
+                          ({"speculative": "ngram", "num_speculative_tokens": 0}, "1 to 16"),
+                          ({"speculative": "ngram", "num_speculative_tokens": 17}, "1 to 16"),
+                          ({"speculative": f"draft:{tmp_path / 'missing'}"}, "missing")]:
+        with pytest.raises(SpeculativeConfigError, match=words):
+            make(sharp_dir, **kwargs)
+
+
+def test_draft_with_a_different_vocabulary_is_refused(sharp_dir, tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "small-vocab", safe_serialization=True)
+    with pytest.raises(SpeculativeConfigError, match="vocabulary of 1000 tokens"):
+        make(sharp_dir, speculative=f"draft:{tmp_path / 'small-vocab'}")
