@@ -22,6 +22,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32 or bfloat16")
     p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB")
     p.add_argument("--batching", choices=["continuous", "static"], default="continuous")
+    add_speculative_arguments(p)
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """The speculative decoding flags, shared by generate, serve and bench serve."""
+    p.add_argument("--speculative", default=None, metavar="PROPOSER",
+                   help="speculative decoding: ngram, draft:PATH, self-int4, self-fp8, self:PATH or none (default)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="most tokens proposed per step (1-16; adapted per sequence to its acceptance)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=args.stop)
     params.validate()  # bad flags fail before the model loads
-    engine = Engine(args.model, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, batching=args.batching)
+    engine = Engine(args.model, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, batching=args.batching,
+                    speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
     prompts = args.prompt
     if args.chat:
         if not engine.tokenizer.chat_template:
@@ -45,8 +55,18 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.write(out.new_text)
                 sys.stdout.flush()
         sys.stdout.write("\n")
+        _print_speculative(engine)
         return 0
     for i, out in enumerate(engine.generate(prompts, params)):
         print(f"=== [{i}] ({out.num_output_tokens} tokens, {out.finish_reason})")
         print(out.text)
+    _print_speculative(engine)
     return 0
+
+
+def _print_speculative(engine) -> None:
+    spec = engine.stats().get("speculative")
+    if spec:
+        print(f"[speculative {spec['proposer']}: {spec['accepted_tokens']}/{spec['draft_tokens']} drafts accepted "
+              f"({spec['acceptance_rate']:.0%}), {spec['mean_accepted_length']:.2f} tokens per verification]",
+              file=sys.stderr)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .generate import add_speculative_arguments
+
 HELP = "serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)"
 
 
@@ -21,6 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one engine step")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_speculative_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,5 +36,6 @@ def run(args: argparse.Namespace) -> int:
         raise QToolError("--max-num-seqs must be > 0 and --max-waiting >= 0")
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key, kv_cache_memory=args.kv_cache_memory,
           max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting, batching=args.batching, dtype=args.dtype,
-          max_num_batched_tokens=args.max_num_batched_tokens, log_level=args.log_level)
+          max_num_batched_tokens=args.max_num_batched_tokens, log_level=args.log_level,
+          speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
     return 0

@@ -40,17 +40,19 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def build_engine(model: Any, *, kv_cache_memory: str = "1GiB", max_num_seqs: int = 64, batching: str = "continuous",
-                 dtype: str = "auto", max_num_batched_tokens: int = 1024) -> Any:
+                 dtype: str = "auto", max_num_batched_tokens: int = 1024, speculative: str | None = None,
+                 num_speculative_tokens: int = 4) -> Any:
     from ..engine import Engine
 
     return Engine(model, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, batching=batching,
-                  dtype=dtype, max_num_batched_tokens=max_num_batched_tokens)
+                  dtype=dtype, max_num_batched_tokens=max_num_batched_tokens, speculative=speculative,
+                  num_speculative_tokens=num_speculative_tokens)
 
 
 def serve(model: Any = "default", *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           kv_cache_memory: str = "1GiB", max_num_seqs: int = 64, max_waiting: int = 256,
           batching: str = "continuous", dtype: str = "auto", max_num_batched_tokens: int = 1024,
-          log_level: str = "info") -> None:
+          log_level: str = "info", speculative: str | None = None, num_speculative_tokens: int = 4) -> None:
     """Load `model` into an engine and serve it until interrupted."""
     import uvicorn
 
@@ -59,7 +61,8 @@ def serve(model: Any = "default", *, host: str = "127.0.0.1", port: int = 8000, 
     check_port_free(host, port)
     status(f"loading {model} ({batching} batching, KV cache {kv_cache_memory})")
     engine = build_engine(model, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, batching=batching,
-                          dtype=dtype, max_num_batched_tokens=max_num_batched_tokens)
+                          dtype=dtype, max_num_batched_tokens=max_num_batched_tokens, speculative=speculative,
+                          num_speculative_tokens=num_speculative_tokens)
     names = [engine.model_name] + [str(model)] * (str(model) != engine.model_name)
     app = create_app(engine, served_model_names=names, api_key=api_key, max_waiting=max_waiting,
                      max_num_seqs=max_num_seqs)

@@ -197,7 +197,7 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
                         if out.new_text or out.finished:
                             yield sse(completion_chunk(rid, model, index, out.new_text, out.finish_reason, created))
                     if req.include_usage():
-                        usage = usage_block(gen.num_prompt_tokens, gen.num_completion_tokens)
+                        usage = usage_block(gen.num_prompt_tokens, gen.num_completion_tokens, **gen.usage_extra())
                         yield sse(usage_chunk(rid, model, "text_completion", created, usage))
                     yield sse("[DONE]")
                 except APIError as e:
@@ -214,7 +214,8 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
                    for i, f in enumerate(gen.final)]
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
                              "choices": choices,
-                             "usage": usage_block(gen.num_prompt_tokens, gen.num_completion_tokens)})
+                             "usage": usage_block(gen.num_prompt_tokens, gen.num_completion_tokens,
+                                                  **gen.usage_extra())})
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
@@ -234,7 +235,7 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
                         if out.finished:
                             yield sse(chat_chunk(rid, model, index, {}, out.finish_reason, created))
                     if req.include_usage():
-                        usage = usage_block(gen.num_prompt_tokens, gen.num_completion_tokens)
+                        usage = usage_block(gen.num_prompt_tokens, gen.num_completion_tokens, **gen.usage_extra())
                         yield sse(usage_chunk(rid, model, "chat.completion.chunk", created, usage))
                     yield sse("[DONE]")
                 except APIError as e:
@@ -251,7 +252,8 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
                     "finish_reason": f.finish_reason} for i, f in enumerate(gen.final)]
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
                              "choices": choices,
-                             "usage": usage_block(gen.num_prompt_tokens, gen.num_completion_tokens)})
+                             "usage": usage_block(gen.num_prompt_tokens, gen.num_completion_tokens,
+                                                  **gen.usage_extra())})
 
     return app
 

@@ -87,6 +87,18 @@ class Generation:
     def num_completion_tokens(self) -> int:
         return sum(self.num_output_tokens)
 
+    def usage_extra(self) -> dict[str, Any]:
+        """Usage-block extension: this request's speculative decoding figures, when the engine speculates."""
+        if getattr(self.driver.engine, "proposer", None) is None:
+            return {}
+        done = [f for f in self.final if f is not None]
+        drafted = sum(f.num_draft_tokens for f in done)
+        accepted = sum(f.num_accepted_tokens for f in done)
+        steps = sum(f.num_spec_steps for f in done)
+        return {"speculative": {"draft_tokens": drafted, "accepted_tokens": accepted,
+                                "acceptance_rate": accepted / drafted if drafted else 0.0,
+                                "mean_accepted_length": (accepted + steps) / steps if steps else 0.0}}
+
     def close(self) -> None:
         """Abort unfinished engine requests (frees their KV blocks) and release admission. Idempotent."""
         if self._closed:

@@ -42,6 +42,14 @@ class ServerMetrics:
                               buckets=_TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("qtool_e2e_request_latency_seconds", "Request latency", buckets=_E2E_BUCKETS,
                              registry=r)
+        self.spec_draft = Gauge("qtool_spec_draft_tokens", "Speculative tokens proposed and verified", registry=r)
+        self.spec_accepted = Gauge("qtool_spec_accepted_tokens", "Speculative tokens accepted", registry=r)
+        self.spec_rate = Gauge("qtool_spec_acceptance_rate", "Accepted / proposed speculative tokens", registry=r)
+        self.spec_length = Gauge("qtool_spec_mean_accepted_length", "Tokens emitted per verification",
+                                 registry=r)
+        self.spec_position = Gauge("qtool_spec_acceptance_by_position", "Acceptance rate of the i-th draft token",
+                                   ["position"], registry=r)
+        self.spec_seconds = Gauge("qtool_spec_seconds", "Time spent proposing and verifying", ["phase"], registry=r)
         self._recent: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()  # the engine thread appends, the scrape reads
 
@@ -60,6 +68,16 @@ class ServerMetrics:
         self.kv_free.set(stats.get("kv_blocks_free", 0))
         self.kv_total.set(stats.get("kv_blocks_total", 0))
         self.preemptions.set(stats.get("num_preemptions", 0))
+        spec = stats.get("speculative")
+        if spec:
+            self.spec_draft.set(spec["draft_tokens"])
+            self.spec_accepted.set(spec["accepted_tokens"])
+            self.spec_rate.set(spec["acceptance_rate"])
+            self.spec_length.set(spec["mean_accepted_length"])
+            for i, rate in enumerate(spec["acceptance_by_position"]):
+                self.spec_position.labels(str(i + 1)).set(rate)
+            self.spec_seconds.labels("propose").set(spec["proposer_seconds"])
+            self.spec_seconds.labels("verify").set(spec["verify_seconds"])
 
     def record_finished(self, finish_reason: str, ttft: float | None, latency: float, num_tokens: int) -> None:
         self.finished.labels(finish_reason).inc()

@@ -1,0 +1,46 @@
+"""Speculative decoding through the OpenAI server and the CLI: per-request figures in the usage block,
+engine-wide ones in /metrics, start-up errors as exit code 2."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from test_server import TIMEOUT, running, sse_events
+
+from qtoolkit.cli import main
+
+
+def test_usage_block_and_metrics_report_speculation(tiny_model_dir):
+    from qtoolkit.engine import Engine
+    from qtoolkit.server import create_app
+
+    # the target drafting for itself: every proposal is accepted, so the expected figures are exact
+    engine = Engine(str(tiny_model_dir), kv_cache_memory="16MiB", speculative=f"draft:{tiny_model_dir}",
+                    num_speculative_tokens=3)
+    with running(create_app(engine)) as url:
+        body = {"prompt": "def add(a, b):", "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+        usage = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).json()["usage"]
+        assert usage["completion_tokens"] == 9
+        spec = usage["speculative"]
+        assert spec["acceptance_rate"] == 1.0 and spec["draft_tokens"] > 0
+        assert spec["mean_accepted_length"] > 2
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=TIMEOUT,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+            events = sse_events(resp)
+        assert events[-2]["usage"]["speculative"]["accepted_tokens"] > 0
+        samples = {(s.name, tuple(s.labels.items())): s.value
+                   for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text) for s in fam.samples}
+        assert samples[("qtool_spec_acceptance_rate", ())] == 1.0
+        assert samples[("qtool_spec_acceptance_by_position", (("position", "1"),))] == 1.0
+        assert samples[("qtool_spec_draft_tokens", ())] >= 2 * spec["draft_tokens"]
+
+
+def test_generate_cli_speculates_and_rejects_bad_flags(tiny_model_dir, capsys):
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "hello hello hello", "--max-tokens", "6",
+            "--kv-cache-memory", "16MiB"]
+    assert main(args + ["--speculative", "ngram", "--num-speculative-tokens", "3"]) == 0
+    assert "[speculative ngram:" in capsys.readouterr().err
+    assert main(args + ["--speculative", "ngram", "--num-speculative-tokens", "0"]) == 2
+    assert "--num-speculative-tokens" in capsys.readouterr().err
+    assert main(args + ["--speculative", "draft:/nonexistent/draft"]) == 2
+    assert "/nonexistent/draft" in capsys.readouterr().err
