@@ -219,6 +219,23 @@ def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
     return a["output_tok_per_s"] / b["output_tok_per_s"]
 
 
+def _update_tier(report: dict[str, Any], c: int, n: int, results: dict[str, Any],
+                 on_tier: Callable[[dict[str, Any]], None] | None) -> None:
+    """Record (or refresh) tier `c` with the systems measured so far and hand the report to `on_tier`."""
+    engine = results.get("continuous") or results.get("static")
+    ratios = {"continuous_over_static": _ratio(results.get("continuous"), results.get("static")),
+              "engine_over_hf": _ratio(engine, results.get("hf"))}
+    tier = {"concurrency": c, "num_requests": n, "results": dict(results),
+            "ratios": {k: v for k, v in ratios.items() if v is not None}}
+    tiers = report["tiers"]
+    if tiers and tiers[-1]["concurrency"] == c and tiers[-1]["num_requests"] == n:
+        tiers[-1] = tier
+    else:
+        tiers.append(tier)
+    if on_tier is not None:
+        on_tier(report)  # long CPU runs keep what they measured if stopped
+
+
 def bench_serve(model: str = "default", *, endpoint: str | None = None, concurrency: list[int] | None = None,
                 batching: list[str] | None = None, workload: str = "mixed", rate: float | None = None,
                 num_requests: int | None = None, compare_hf: bool = False, seed: int = 0,
@@ -228,7 +245,7 @@ def bench_serve(model: str = "default", *, endpoint: str | None = None, concurre
                 on_tier: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Measure every system on the same requests, tier by tier; returns the report (see `format_table`).
 
-    `on_tier(report)` is called after each tier with the report so far (`complete` stays False until the end).
+    `on_tier(report)` is called after each measured system with the report so far (`complete` stays False until the end).
     """
     from .errors import QToolError
     from .progress import status
@@ -301,16 +318,11 @@ def bench_serve(model: str = "default", *, endpoint: str | None = None, concurre
                 res, duration = asyncio.run(run_load(systems[name], model, reqs, concurrency=c, rate=rate,
                                                      seed=seed + t, api=api, ignore_eos=ignore_eos, api_key=api_key))
                 results[name] = summarize(res, duration)
+                _update_tier(report, c, n, results, on_tier)
             if hf is not None:
                 status(f"concurrency {c}: {n} requests through HF generate (static batches of {c})")
                 results["hf"] = hf_generate_tier(*hf, reqs, c)
-            engine = results.get("continuous") or results.get("static")
-            ratios = {"continuous_over_static": _ratio(results.get("continuous"), results.get("static")),
-                      "engine_over_hf": _ratio(engine, results.get("hf"))}
-            report["tiers"].append({"concurrency": c, "num_requests": n, "results": results,
-                                    "ratios": {k: v for k, v in ratios.items() if v is not None}})
-            if on_tier is not None:
-                on_tier(report)  # long CPU runs keep what they measured if stopped
+                _update_tier(report, c, n, results, on_tier)
     report["complete"] = True
     return report
 

@@ -48,7 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="result JSON path")
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so server subprocesses are stopped
+
+
 def run(args: argparse.Namespace) -> int:
+    import signal
+
     from ..bench import bench_serve, format_table
     from ..errors import QToolError
     from ..io import write_json
@@ -57,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         raise QToolError("--num-requests must be positive")
     if args.rate is not None and args.rate <= 0:
         raise QToolError("--rate must be a positive number of requests per second")
+    signal.signal(signal.SIGTERM, _interrupt)
     report = bench_serve(args.model, endpoint=args.endpoint, concurrency=args.concurrency, batching=args.batching,
                          workload=args.workload, rate=args.rate, num_requests=args.num_requests,
                          compare_hf=args.compare == "hf", seed=args.seed, mean_output_tokens=args.mean_output_tokens,

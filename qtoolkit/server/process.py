@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 
@@ -39,7 +40,7 @@ def server_process(model: str, *, batching: str = "continuous", kv_cache_memory:
            "--log-level", "warning", *(extra_args or [])]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_parent_death_signal())
         try:
             base_url = f"http://127.0.0.1:{port}"
             _wait_healthy(proc, base_url, startup_timeout_s, log)
@@ -52,6 +53,20 @@ def server_process(model: str, *, batching: str = "continuous", kv_cache_memory:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """Linux: a child hook so the server gets SIGTERM if the benchmark dies without cleanup (SIGKILL, crash).
+
+    libc is loaded here, in the parent: the hook runs between fork and exec, where importing is unsafe.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def _wait_healthy(proc: subprocess.Popen, base_url: str, timeout_s: float, log) -> None:
