@@ -88,3 +88,15 @@ def test_html_renders_in_headless_chromium_with_plots(run_dir, tmp_path):
                          text=True).stdout
     for plot in ("throughput", "quality", "kld", "memory", "roofline"):
         assert f'id="plot-{plot}"' in dom
+
+
+def test_report_quality_figures_match_standalone_eval(run_dir, tiny_model_dir, tmp_path):
+    """`qtool eval` on the same candidate, baseline, tasks and limit gives the report's quality figures."""
+    out = tmp_path / "eval.json"
+    code = main(["eval", "--model", str(run_dir / "checkpoint"), "--baseline", str(tiny_model_dir),
+                 "--task", "code,summarization", "--limit", "2", "--output", str(out)])
+    assert code == 0
+    standalone = json.loads(out.read_text())["tasks"]
+    report = json.loads((run_dir / "report.json").read_text())
+    for task in ("code", "summarization"):
+        assert report["eval"][task]["summary"] == standalone[task]["summary"]
