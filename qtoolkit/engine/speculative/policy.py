@@ -9,12 +9,14 @@ forward's cost grows with the total number of tokens in the step, so proposals a
 holds at most `max_verify_tokens` tokens. Past that the batch itself keeps the matmuls busy and speculating
 would cost more target compute than the accepted tokens save.
 
-Default 8: measured with the fp32 default model on this 2-core AVX2 CPU (/tmp/spec/verify_cost.json, context
-256, min of 3): a step of 1 sequence x 5 tokens costs ~1.5x a 1-token step and 1 x 9 tokens ~2x, while 8
-sequences x 1 token already cost ~2-2.5x a 1-token step; MEASUREMENTS.md agrees (4-token verification 1.34-2.5x
-a 1-token step depending on the matmul path, fp32 1.50x). With acceptance around 0.6-0.8 the expected tokens per
-verification of k=4..7 drafts (2.3-3.5) stay above that cost up to ~8 tokens a step and fall below it beyond,
-so at 8 or more running sequences speculation is off and the engine decodes exactly as without it.
+Default 8, from the fp32 cost curve of this CPU (MEASUREMENTS.md, plain-torch decoder): a step of 1 token
+costs 55 ms, 5 tokens (4-token verification) 1.50x that, 8 tokens 1.55x, 32 tokens 3.05x. Up to ~8 tokens a
+step is bound by streaming the weights, so drafts ride along nearly free; past it cost grows with tokens and a
+draft token must be accepted with probability above ~0.7 (plus the draft model's own cost) to pay for itself.
+With prompt-lookup acceptance of 0.3-0.5 on chat prompts (MEASUREMENTS.md) that is a loss, so at 8 or more
+running sequences speculation is off and the engine decodes exactly as without it. A re-measurement of the curve
+on the shared machine (load average ~10 on 2 cores, /tmp/spec/verify_cost.log) gave step times of 1-8 s with
+no ordering between 1 and 9 tokens, i.e. noise: the setting stays tunable (`max_verify_tokens`) for a quiet box.
 """
 
 from __future__ import annotations
