@@ -33,6 +33,7 @@ class RequestResult:
     latency: float = 0.0  # seconds from send to the end of the stream
     itl: list[float] = field(default_factory=list)  # gaps between streamed chunks after the first
     error: str | None = None
+    speculative: dict[str, Any] | None = None  # the server's per-request speculative decoding figures, if any
 
 
 def request_body(model: str, req: BenchRequest, *, api: str, ignore_eos: bool) -> dict[str, Any]:
@@ -78,6 +79,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
                 if msg.get("usage"):
                     result.prompt_tokens = msg["usage"].get("prompt_tokens", 0)
                     result.output_tokens = msg["usage"].get("completion_tokens", 0)
+                    result.speculative = msg["usage"].get("speculative")
                 if any(_chunk_text(c) for c in msg.get("choices", [])):
                     now = time.perf_counter()
                     chunks += 1
@@ -149,7 +151,20 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "itl_s": _percentiles([x for r in ok for x in r.itl]),
         "latency_s": _percentiles([r.latency for r in ok]),
         "errors": errors[:5],
+        **_speculative_summary(ok),
     }
+
+
+def _speculative_summary(ok: list[RequestResult]) -> dict[str, Any]:
+    spec = [r.speculative for r in ok if r.speculative]
+    if not spec:
+        return {}
+    drafted = sum(s["draft_tokens"] for s in spec)
+    accepted = sum(s["accepted_tokens"] for s in spec)
+    lengths = [s["mean_accepted_length"] for s in spec if s["mean_accepted_length"]]
+    return {"speculative": {"draft_tokens": drafted, "accepted_tokens": accepted,
+                            "acceptance_rate": accepted / drafted if drafted else 0.0,
+                            "mean_accepted_length": sum(lengths) / len(lengths) if lengths else 0.0}}
 
 
 def normalize_endpoint(url: str) -> str:
@@ -225,6 +240,9 @@ def _update_tier(report: dict[str, Any], c: int, n: int, results: dict[str, Any]
     engine = results.get("continuous") or results.get("static")
     ratios = {"continuous_over_static": _ratio(results.get("continuous"), results.get("static")),
               "engine_over_hf": _ratio(engine, results.get("hf"))}
+    for name in results:  # "<mode>+<proposer>": speculation over the same server without it
+        if "+" in name:
+            ratios[f"{name}_over_{name.split('+')[0]}"] = _ratio(results[name], results.get(name.split("+")[0]))
     tier = {"concurrency": c, "num_requests": n, "results": dict(results),
             "ratios": {k: v for k, v in ratios.items() if v is not None}}
     tiers = report["tiers"]
@@ -232,8 +250,20 @@ def _update_tier(report: dict[str, Any], c: int, n: int, results: dict[str, Any]
         tiers[-1] = tier
     else:
         tiers.append(tier)
+    report["speculative_curve"] = _speculative_curve(report["tiers"])
     if on_tier is not None:
         on_tier(report)  # long CPU runs keep what they measured if stopped
+
+
+def _speculative_curve(tiers: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per speculative system: spec / no-spec output tok/s at each concurrency (the load-aware policy's curve)."""
+    curve: dict[str, list[dict[str, Any]]] = {}
+    for tier in tiers:
+        for key, value in tier["ratios"].items():
+            if "+" in key:
+                curve.setdefault(key.split("_over_")[0], []).append({"concurrency": tier["concurrency"],
+                                                                     "speedup": value})
+    return curve
 
 
 def bench_serve(model: str = "default", *, endpoint: str | None = None, concurrency: list[int] | None = None,
@@ -241,8 +271,8 @@ def bench_serve(model: str = "default", *, endpoint: str | None = None, concurre
                 num_requests: int | None = None, compare_hf: bool = False, seed: int = 0,
                 mean_output_tokens: int = 64, max_output_tokens: int = 128, api: str = "completions",
                 ignore_eos: bool = True, api_key: str | None = None, kv_cache_memory: str = "1GiB",
-                max_num_seqs: int = 64, dtype: str = "auto",
-                on_tier: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                max_num_seqs: int = 64, dtype: str = "auto", speculative: list[str] | None = None,
+                num_speculative_tokens: int = 4, on_tier: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Measure every system on the same requests, tier by tier; returns the report (see `format_table`).
 
     `on_tier(report)` is called after each measured system with the report so far (`complete` stays False until the end).
@@ -289,6 +319,12 @@ def bench_serve(model: str = "default", *, endpoint: str | None = None, concurre
                 status(f"starting a {mode}-batching server for {model}")
                 systems[mode] = stack.enter_context(server_process(
                     model, batching=mode, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, dtype=dtype))
+                for proposer in speculative or []:  # the same server with speculation, one per proposer
+                    status(f"starting a {mode}-batching server for {model} with --speculative {proposer}")
+                    systems[f"{mode}+{proposer}"] = stack.enter_context(server_process(
+                        model, batching=mode, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                        dtype=dtype, extra_args=["--speculative", proposer,
+                                                 "--num-speculative-tokens", str(num_speculative_tokens)]))
         for url in systems.values():  # first steps pay one-off costs; keep them out of the figures
             warm = build_workload("code", 2, seed=seed + 1, mean_output_tokens=4, max_output_tokens=8)
             asyncio.run(run_load(url, model, warm, concurrency=2, api=api, ignore_eos=ignore_eos, api_key=api_key))
@@ -301,7 +337,8 @@ def bench_serve(model: str = "default", *, endpoint: str | None = None, concurre
                   "concurrency": concurrency, "workload": workload, "rate_qps": rate, "seed": seed,
                   "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens, "api": api,
                   "ignore_eos": ignore_eos, "kv_cache_memory": kv_cache_memory, "max_num_seqs": max_num_seqs,
-                  "dtype": dtype, "hf_note": "HF runs the tier's requests offline in static batches of the "
+                  "dtype": dtype, "speculative": speculative or [],
+                  "num_speculative_tokens": num_speculative_tokens, "hf_note": "HF runs the tier's requests offline in static batches of the "
                                              "tier's concurrency (no arrivals); only requested tokens count"}
         workload_hash = text_sha256(json.dumps([[r.prompt, r.max_tokens] for r in all_requests]))
         prov = provenance(model=source.describe() if source else {"name": model, "endpoint": endpoint},

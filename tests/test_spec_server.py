@@ -44,3 +44,22 @@ def test_generate_cli_speculates_and_rejects_bad_flags(tiny_model_dir, capsys):
     assert "--num-speculative-tokens" in capsys.readouterr().err
     assert main(args + ["--speculative", "draft:/nonexistent/draft"]) == 2
     assert "/nonexistent/draft" in capsys.readouterr().err
+
+
+def test_bench_serve_measures_the_speculative_curve(tiny_model_dir, tmp_path):
+    import json
+
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "serve", "--model", str(tiny_model_dir), "--concurrency", "1,2", "--num-requests", "2",
+               "--workload", "code", "--mean-output-tokens", "6", "--max-output-tokens", "8",
+               "--kv-cache-memory", "16MiB", "--speculative", "ngram", "--output", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["speculative"] == ["ngram"]
+    assert [p["concurrency"] for p in report["speculative_curve"]["continuous+ngram"]] == [1, 2]
+    for tier in report["tiers"]:
+        assert tier["ratios"]["continuous+ngram_over_continuous"] > 0
+        assert "speculative" in tier["results"]["continuous+ngram"]
+        assert "speculative" not in tier["results"]["continuous"]
+    assert main(["bench", "serve", "--model", str(tiny_model_dir), "--speculative", "ngram",
+                 "--num-speculative-tokens", "40", "--output", str(tmp_path / "x.json")]) == 2

@@ -45,7 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--dtype", default="auto", help="engine and HF precision: auto, float32, bfloat16")
+    p.add_argument("--speculative", type=_proposers, default=[], metavar="PROPOSERS",
+                   help="also measure the server with speculative decoding, one system per proposer: e.g. "
+                        "ngram,self-int4 (draft:PATH, self-fp8, self:PATH too); ratios give the speedup curve")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="most drafts per step (1-16)")
     p.add_argument("--output", required=True, help="result JSON path")
+
+
+def _proposers(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip() and p.strip().lower() != "none"]
 
 
 def _interrupt(signum, frame) -> None:
@@ -56,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     from ..bench import bench_serve, format_table
+    from ..engine.speculative import check_speculative_args
     from ..errors import QToolError
     from ..io import write_json
 
@@ -63,13 +72,18 @@ def run(args: argparse.Namespace) -> int:
         raise QToolError("--num-requests must be positive")
     if args.rate is not None and args.rate <= 0:
         raise QToolError("--rate must be a positive number of requests per second")
+    for proposer in args.speculative:  # fail before any server starts
+        check_speculative_args(proposer, args.num_speculative_tokens)
+    if args.speculative and args.endpoint:
+        raise QToolError("--speculative starts our own servers: drop --endpoint (or start that server with it)")
     signal.signal(signal.SIGTERM, _interrupt)
     report = bench_serve(args.model, endpoint=args.endpoint, concurrency=args.concurrency, batching=args.batching,
                          workload=args.workload, rate=args.rate, num_requests=args.num_requests,
                          compare_hf=args.compare == "hf", seed=args.seed, mean_output_tokens=args.mean_output_tokens,
                          max_output_tokens=args.max_output_tokens, api=args.api, ignore_eos=args.ignore_eos,
                          api_key=args.api_key, kv_cache_memory=args.kv_cache_memory,
-                         max_num_seqs=args.max_num_seqs, dtype=args.dtype,
+                         max_num_seqs=args.max_num_seqs, dtype=args.dtype, speculative=args.speculative,
+                         num_speculative_tokens=args.num_speculative_tokens,
                          on_tier=lambda partial: write_json(args.output, partial))
     path = write_json(args.output, report)
     print(format_table(report))
