@@ -23,11 +23,15 @@ def sharp_dir(tmp_path_factory, tokenizer_dir):
     return build_sharp_tiny_llama(tmp_path_factory.mktemp("sharp-spec"), tokenizer_dir)
 
 
-def make(model_dir, blocks: int = 512, block_size: int = 4, **kw) -> Engine:
+def make(model_dir, blocks: int = 512, block_size: int = 4, adaptive: bool = False, **kw) -> Engine:
+    """adaptive=False pins k: the cost model would (rightly) switch off a draft as costly as its target."""
     cfg = json.loads((model_dir / "config.json").read_text())
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     per_block = 2 * cfg["num_hidden_layers"] * block_size * cfg["num_key_value_heads"] * head_dim * 4  # fp32
-    return Engine(str(model_dir), kv_cache_memory=blocks * per_block, block_size=block_size, **kw)
+    engine = Engine(str(model_dir), kv_cache_memory=blocks * per_block, block_size=block_size, **kw)
+    if engine.spec_policy is not None:
+        engine.spec_policy.adaptive = adaptive
+    return engine
 
 
 def greedy_params(n: int = len(PROMPTS)) -> list[SamplingParams]:
@@ -87,7 +91,7 @@ def test_stop_strings_and_max_tokens_inside_an_accepted_run(sharp_dir, reference
 
 
 def test_per_request_counters_and_policy_turns_speculation_off_for_big_batches(sharp_dir, reference):
-    engine = make(sharp_dir, speculative=f"draft:{sharp_dir}", num_speculative_tokens=4)  # default budget 8
+    engine = make(sharp_dir, speculative=f"draft:{sharp_dir}", num_speculative_tokens=4, adaptive=True)
     outs = engine.generate(PROMPTS[:1], greedy_params(1), use_tqdm=False)
     usage = outs[0].speculative_usage()
     assert usage["draft_tokens"] > 0 and usage["acceptance_rate"] == 1.0
@@ -97,6 +101,32 @@ def test_per_request_counters_and_policy_turns_speculation_off_for_big_batches(s
     assert [t for t, _, _ in big] == [t[:6] for t, _, _ in reference]
     assert engine.stats()["speculative"]["steps_without_speculation"] > 0
     assert engine.stats()["speculative"]["draft_tokens"] - before < 6 * len(PROMPTS)
+
+
+def test_policy_picks_k_from_acceptance_and_draft_cost():
+    from qtoolkit.engine.sequence import Sequence
+    from qtoolkit.engine.speculative import SpeculationPolicy
+
+    policy = SpeculationPolicy(8)
+    assert policy.best_k(0.9)[0] == 8  # free drafts (prompt lookup): looking further never costs
+    policy.draft_cost = 0.1  # a cheap draft model: poor acceptance makes long lookahead a waste
+    assert policy.best_k(0.3)[0] < policy.best_k(0.9)[0]
+    assert policy.best_k(0.9)[1] > policy.best_k(0.3)[1] > 1
+    for _ in range(30):  # a draft step costing as much as verification: never worth it
+        policy.observe_cost(proposer_seconds=0.1, draft_steps=1, verify_seconds=0.1)
+    assert abs(policy.draft_cost - 1.0) < 0.01 and policy.best_k(0.9)[1] < 1.0
+    seq = Sequence("s", [1, 2, 3], SamplingParams())
+    assert policy.plan([(seq, 8)], step_tokens=1) == [0]  # switched off ...
+    assert seq.spec_cooldown > 0
+    for _ in range(seq.spec_cooldown - 1):
+        policy.plan([(seq, 8)], step_tokens=1)
+    assert policy.plan([(seq, 8)], step_tokens=1) == [1]  # ... then probed again with one token
+    cheap = SpeculationPolicy(4)
+    seqs = [Sequence(f"b{i}", [1, 2, 3], SamplingParams()) for i in range(3)]
+    assert cheap.plan([(s, 4) for s in seqs], step_tokens=3) == [2, 2, 1]  # 5 spare tokens shared
+    assert cheap.plan([(s, 4) for s in seqs], step_tokens=8) == [0, 0, 0]  # batch past the budget: off
+    cheap.update(seqs[0], proposed=4, accepted=1)
+    assert seqs[0].spec_acceptance < 0.8
 
 
 def test_sampled_requests_with_speculation_are_seeded_and_complete(sharp_dir):

@@ -17,6 +17,7 @@ def test_usage_block_and_metrics_report_speculation(tiny_model_dir):
     # the target drafting for itself: every proposal is accepted, so the expected figures are exact
     engine = Engine(str(tiny_model_dir), kv_cache_memory="16MiB", speculative=f"draft:{tiny_model_dir}",
                     num_speculative_tokens=3)
+    engine.spec_policy.adaptive = False  # a draft as costly as the target would be switched off by the cost model
     with running(create_app(engine)) as url:
         body = {"prompt": "def add(a, b):", "max_tokens": 9, "temperature": 0, "ignore_eos": True}
         usage = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).json()["usage"]

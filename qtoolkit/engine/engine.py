@@ -87,6 +87,7 @@ class Engine:
         self.proposer: Proposer | None = None
         self.spec_policy: SpeculationPolicy | None = None
         self.spec_metrics: SpeculativeMetrics | None = None
+        self._last_propose_seconds = 0.0
         if spec is not None:
             # the draft's KV holds what the target's does plus k lookahead slots per running sequence
             extra = max_num_seqs * -(-MAX_SPECULATIVE_TOKENS // block_size)
@@ -178,7 +179,10 @@ class Engine:
             logits = self.runner.run(work, num_logits)
             new_tokens = self._choose_tokens(work, num_logits, logits, proposals)
             if proposals:
-                self.spec_metrics.verify_seconds += time.perf_counter() - t_verify
+                verify_seconds = time.perf_counter() - t_verify
+                self.spec_metrics.verify_seconds += verify_seconds
+                self.spec_policy.observe_cost(self._last_propose_seconds,
+                                              max(len(p.tokens) for p in proposals.values()), verify_seconds)
             for i, (seq, n) in enumerate(work):
                 if seq.num_computed_tokens < seq.num_prompt_tokens:
                     self.counters["prompt_tokens"] += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
@@ -231,7 +235,8 @@ class Engine:
             return {}
         t0 = time.perf_counter()
         drafted = self.proposer.propose([(work[i][0], k) for i, k in batch])
-        self.spec_metrics.proposer_seconds += time.perf_counter() - t0
+        self._last_propose_seconds = time.perf_counter() - t0
+        self.spec_metrics.proposer_seconds += self._last_propose_seconds
         proposals = {}
         for (i, k), proposal in zip(batch, drafted, strict=True):
             proposal.tokens = proposal.tokens[:k]
@@ -380,5 +385,6 @@ class Engine:
             "kv_blocks_free": bm.num_free_blocks, "block_size": bm.block_size,
             "num_preemptions": self.scheduler.num_preemptions, "prefix_cache_hit_tokens": bm.num_prefix_hits,
             **self.counters,
-            **({"speculative": self.spec_metrics.as_dict()} if self.spec_metrics is not None else {}),
+            **({"speculative": {**self.spec_metrics.as_dict(), "draft_cost_ratio": self.spec_policy.draft_cost}}
+               if self.spec_metrics is not None else {}),
         }

@@ -43,8 +43,8 @@ class Sequence:
         self._reported_tokens = 0
         self._reported_chars = 0
         # speculative decoding: the policy's per-sequence state and the request's acceptance counters
-        self.spec_k: int | None = None  # current lookahead (None until the policy first sees it)
-        self.spec_acceptance = 1.0  # moving average of the per-token acceptance rate
+        self.spec_k: int | None = None  # the lookahead the policy last chose
+        self.spec_acceptance = 0.8  # moving estimate of the per-draft-token acceptance probability
         self.spec_cooldown = 0  # steps left without proposals after acceptance collapsed
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

@@ -1,8 +1,11 @@
 """How many tokens each running sequence speculates this step.
 
-Per sequence, k adapts to recent acceptance (HF assisted generation's schedule): all accepted -> k+1, any
-rejection -> k-1 (at least 1); when the moving acceptance rate collapses the sequence pauses for a few steps
-and then probes again with k = 1.
+Per sequence, k maximizes the expected speedup of one verification step (Leviathan et al., section 3.5):
+E(k) / (1 + k * r), where E(k) = (1 - a^(k+1)) / (1 - a) is the expected number of tokens a step emits given
+the sequence's per-token acceptance a (a moving estimate), and r is the cost of one draft step relative to one
+verification forward, measured by the engine as it runs (about 0 for prompt lookup, large for a draft model
+that is not much cheaper than the target). When no k reaches a speedup of `min_gain` the sequence decodes
+plainly for a few steps and then probes again with k = 1 (which also refreshes a and r).
 
 Per step, speculation only fills the part of the batch where extra tokens are (nearly) free: a verification
 forward's cost grows with the total number of tokens in the step, so proposals are added only while the step
@@ -28,20 +31,36 @@ DEFAULT_MAX_VERIFY_TOKENS = 8
 
 class SpeculationPolicy:
     def __init__(self, num_speculative_tokens: int, max_verify_tokens: int = DEFAULT_MAX_VERIFY_TOKENS,
-                 adaptive: bool = True, min_acceptance: float = 0.2, cooldown_steps: int = 8,
-                 smoothing: float = 0.3):
+                 adaptive: bool = True, min_gain: float = 1.05, cooldown_steps: int = 16, smoothing: float = 0.2):
         self.max_k = num_speculative_tokens
         self.max_verify_tokens = max_verify_tokens
         self.adaptive = adaptive
-        self.min_acceptance, self.cooldown_steps, self.smoothing = min_acceptance, cooldown_steps, smoothing
+        self.min_gain, self.cooldown_steps, self.smoothing = min_gain, cooldown_steps, smoothing
+        self.draft_cost = 0.0  # r: one draft step / one verification forward (moving average)
+
+    @staticmethod
+    def expected_tokens(acceptance: float, k: int) -> float:
+        a = min(acceptance, 0.999)
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def best_k(self, acceptance: float) -> tuple[int, float]:
+        gains = [(self.expected_tokens(acceptance, k) / (1 + k * self.draft_cost), k)
+                 for k in range(1, self.max_k + 1)]
+        gain, k = max(gains)
+        return k, gain
 
     def wanted_k(self, seq: Sequence) -> int:
-        if seq.spec_k is None:
-            seq.spec_k = self.max_k
+        if not self.adaptive:
+            return self.max_k
         if seq.spec_cooldown > 0:
             seq.spec_cooldown -= 1
+            return 1 if seq.spec_cooldown == 0 else 0  # the probe
+        k, gain = self.best_k(seq.spec_acceptance)
+        if gain < self.min_gain:
+            seq.spec_cooldown = self.cooldown_steps
             return 0
-        return seq.spec_k if self.adaptive else self.max_k
+        seq.spec_k = k
+        return k
 
     def plan(self, candidates: list[tuple[Sequence, int]], step_tokens: int) -> list[int]:
         """k for each (sequence, most it may take) that could speculate, given the step's other tokens.
@@ -70,13 +89,13 @@ class SpeculationPolicy:
         """After verification of `proposed` tokens of which the first `accepted` were kept."""
         if proposed <= 0:
             return
-        rate = accepted / proposed
-        seq.spec_acceptance += self.smoothing * (rate - seq.spec_acceptance)
-        if not self.adaptive:
+        # each draft token up to the first rejection was one acceptance trial
+        trials = accepted + (accepted < proposed)
+        seq.spec_acceptance += self.smoothing * (accepted / trials - seq.spec_acceptance)
+
+    def observe_cost(self, proposer_seconds: float, draft_steps: int, verify_seconds: float) -> None:
+        """Timing of one speculative step: `draft_steps` sequential draft forwards, then one verification."""
+        if draft_steps <= 0 or verify_seconds <= 0:
             return
-        k = seq.spec_k or self.max_k
-        seq.spec_k = min(k + 1, self.max_k) if accepted == proposed else max(k - 1, 1)
-        if seq.spec_acceptance < self.min_acceptance:
-            seq.spec_cooldown = self.cooldown_steps
-            seq.spec_k = 1
-            seq.spec_acceptance = self.min_acceptance * 2  # probe again from a neutral estimate
+        r = proposer_seconds / draft_steps / verify_seconds
+        self.draft_cost += self.smoothing * (r - self.draft_cost)
