@@ -40,21 +40,31 @@ def measure_gemm_flops(n: int = 1024, repeat: int = 5) -> float:
     return 2 * n**3 / _median_time(lambda: a @ b, repeat) / 1e9
 
 
+def _leaf_linear_bytes(mod: torch.nn.Module) -> int | None:
+    """Bytes one Linear streams per step: packed weights of a quantized module, else its dense weight."""
+    if isinstance(mod, torch.nn.Linear):
+        return mod.weight.nbytes + (mod.bias.nbytes if mod.bias is not None else 0)
+    if hasattr(mod, "weight_bytes") and not any(hasattr(c, "weight_bytes") for c in mod.children()):
+        return mod.weight_bytes()
+    return None
+
+
 def model_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """Bytes a decode step streams: every Linear's packed weights + the lm_head; embeddings are a gather."""
+    """Bytes a decode step streams: every Linear's weights + the lm_head (the embedding lookup is a gather)."""
     linear = head = 0
     for name, mod in model.named_modules():
-        if hasattr(mod, "weight_bytes") and not any(c for c in mod.children() if hasattr(c, "weight_bytes")):
-            if name.endswith("lm_head"):
-                head += mod.weight_bytes()
-            else:
-                linear += mod.weight_bytes()
-    if head == 0:  # tied embeddings: the head reads the embedding table
-        emb = next((m for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)), None)
-        head = emb.weight.nbytes if emb is not None else 0
-    params = sum(p.numel() for p in model.parameters())
+        size = _leaf_linear_bytes(mod)
+        if size is None:
+            continue
+        if name.endswith("lm_head"):
+            head += size
+        else:
+            linear += size
+    c = model.config  # matmul weights per token from the shapes (quantized weights are buffers, not parameters)
+    per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * \
+        c.hidden_size + 3 * c.hidden_size * c.intermediate_size
     return {"linear_bytes": linear, "lm_head_bytes": head, "decode_bytes_per_step": linear + head,
-            "parameters": params}
+            "matmul_weights": c.num_layers * per_layer + c.vocab_size * c.hidden_size}
 
 
 def _timed_generate(engine, prompts: list[list[int]], max_tokens: int) -> float:
@@ -100,7 +110,7 @@ def decode_sweep(engine, batches: list[int], vocab: int, new_tokens: int = 32,
 def roofline(sizes: dict[str, int], kv_per_token: int, bandwidth_gbs: float, gflops: float,
              batch: int, context: int) -> dict[str, float]:
     """Attainable tok/s: decode = min(bytes bound, flops bound); prefill = flops bound."""
-    flops_per_token = 2 * sizes["parameters"]
+    flops_per_token = 2 * sizes["matmul_weights"]
     step_bytes = sizes["decode_bytes_per_step"] + batch * context * kv_per_token
     memory_bound = batch * bandwidth_gbs * 1e9 / step_bytes
     compute_bound = gflops * 1e9 / flops_per_token
@@ -163,7 +173,7 @@ def diagnose(model: str = "default", *, kv_cache_memory: str = "1GiB", dtype: st
         "decode": decode,
     }
     result["roofline"] = {f"batch{b}": roofline(sizes, kv_per_token, bandwidth, gflops, b, 64) for b in batches}
-    result["roofline"]["prefill_attainable_tok_s"] = round(gflops * 1e9 / (2 * sizes["parameters"]), 1)
+    result["roofline"]["prefill_attainable_tok_s"] = round(gflops * 1e9 / (2 * sizes["matmul_weights"]), 1)
     for row in decode:
         att = result["roofline"][f"batch{row['batch']}"]["decode_attainable_tok_s"]
         row["fraction_of_roofline"] = round(row["tokens_per_s"] / att, 3)
