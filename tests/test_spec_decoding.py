@@ -108,7 +108,8 @@ def test_policy_picks_k_from_acceptance_and_draft_cost():
     from qtoolkit.engine.speculative import SpeculationPolicy
 
     policy = SpeculationPolicy(8)
-    assert policy.best_k(0.9)[0] == 8  # free drafts (prompt lookup): looking further never costs
+    policy.verify_cost = 0.0
+    assert policy.best_k(0.9)[0] == 8  # free drafts, free verification: looking further never costs
     policy.draft_cost = 0.1  # a cheap draft model: poor acceptance makes long lookahead a waste
     assert policy.best_k(0.3)[0] < policy.best_k(0.9)[0]
     assert policy.best_k(0.9)[1] > policy.best_k(0.3)[1] > 1
@@ -121,6 +122,12 @@ def test_policy_picks_k_from_acceptance_and_draft_cost():
     for _ in range(seq.spec_cooldown - 1):
         policy.plan([(seq, 8)], step_tokens=1)
     assert policy.plan([(seq, 8)], step_tokens=1) == [1]  # ... then probed again with one token
+    busy = SpeculationPolicy(4)  # a compute-bound CPU: 5 tokens cost 3.5x a 1-token step
+    busy.observe_plain(1, 0.1)
+    for _ in range(30):
+        busy.observe_cost(proposer_seconds=0.0, draft_steps=4, verify_seconds=0.35, num_seqs=1, extra_tokens=4)
+    assert abs(busy.verify_cost - 0.625) < 0.01
+    assert busy.best_k(0.3)[1] < 1.0 < busy.best_k(0.95)[1]  # only near-certain drafts still pay
     cheap = SpeculationPolicy(4)
     seqs = [Sequence(f"b{i}", [1, 2, 3], SamplingParams()) for i in range(3)]
     assert cheap.plan([(s, 4) for s in seqs], step_tokens=3) == [2, 2, 1]  # 5 spare tokens shared

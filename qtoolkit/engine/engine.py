@@ -178,11 +178,15 @@ class Engine:
             t_verify = time.perf_counter()
             logits = self.runner.run(work, num_logits)
             new_tokens = self._choose_tokens(work, num_logits, logits, proposals)
-            if proposals:
-                verify_seconds = time.perf_counter() - t_verify
-                self.spec_metrics.verify_seconds += verify_seconds
-                self.spec_policy.observe_cost(self._last_propose_seconds,
-                                              max(len(p.tokens) for p in proposals.values()), verify_seconds)
+            if self.spec_policy is not None:
+                elapsed = time.perf_counter() - t_verify
+                if proposals:
+                    self.spec_metrics.verify_seconds += elapsed
+                    drafts = [len(p.tokens) for p in proposals.values()]
+                    self.spec_policy.observe_cost(self._last_propose_seconds, max(drafts), elapsed, len(work),
+                                                  sum(drafts))
+                elif all(n == 1 for _, n in work) and all(num_logits):
+                    self.spec_policy.observe_plain(len(work), elapsed)
             for i, (seq, n) in enumerate(work):
                 if seq.num_computed_tokens < seq.num_prompt_tokens:
                     self.counters["prompt_tokens"] += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
@@ -385,6 +389,7 @@ class Engine:
             "kv_blocks_free": bm.num_free_blocks, "block_size": bm.block_size,
             "num_preemptions": self.scheduler.num_preemptions, "prefix_cache_hit_tokens": bm.num_prefix_hits,
             **self.counters,
-            **({"speculative": {**self.spec_metrics.as_dict(), "draft_cost_ratio": self.spec_policy.draft_cost}}
+            **({"speculative": {**self.spec_metrics.as_dict(), "draft_cost_ratio": self.spec_policy.draft_cost,
+                                "verify_cost_per_token": self.spec_policy.verify_cost}}
                if self.spec_metrics is not None else {}),
         }

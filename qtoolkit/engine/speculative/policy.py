@@ -1,10 +1,13 @@
 """How many tokens each running sequence speculates this step.
 
 Per sequence, k maximizes the expected speedup of one verification step (Leviathan et al., section 3.5):
-E(k) / (1 + k * r), where E(k) = (1 - a^(k+1)) / (1 - a) is the expected number of tokens a step emits given
-the sequence's per-token acceptance a (a moving estimate), and r is the cost of one draft step relative to one
-verification forward, measured by the engine as it runs (about 0 for prompt lookup, large for a draft model
-that is not much cheaper than the target). When no k reaches a speedup of `min_gain` the sequence decodes
+E(k) / ((1 + k * v) * (1 + k * r)), where E(k) = (1 - a^(k+1)) / (1 - a) is the expected number of tokens a
+step emits given the sequence's per-token acceptance a (a moving estimate); v is what each extra verified token
+adds to a plain decode step's time and r the cost of one draft step relative to the verification forward. Both
+are measured by the engine as it runs: r is about 0 for prompt lookup and large for a draft model not much
+cheaper than the target; v starts at 0.125 (MEASUREMENTS.md: fp32 verification of 4 drafts costs 1.50x a
+1-token step) and rises when other load makes the CPU compute-bound (3.5x for 5 tokens was seen under a load
+average of ~8 on this 2-core machine, where speculation then stops paying). When no k reaches a speedup of `min_gain` the sequence decodes
 plainly for a few steps and then probes again with k = 1 (which also refreshes a and r).
 
 Per step, speculation only fills the part of the batch where extra tokens are (nearly) free: a verification
@@ -37,6 +40,8 @@ class SpeculationPolicy:
         self.adaptive = adaptive
         self.min_gain, self.cooldown_steps, self.smoothing = min_gain, cooldown_steps, smoothing
         self.draft_cost = 0.0  # r: one draft step / one verification forward (moving average)
+        self.verify_cost = 0.125  # v: extra time per verified draft token, in plain decode steps
+        self._plain_step: dict[int, float] = {}  # sequences in a decode-only step -> seconds (moving average)
 
     @staticmethod
     def expected_tokens(acceptance: float, k: int) -> float:
@@ -44,7 +49,7 @@ class SpeculationPolicy:
         return (1 - a ** (k + 1)) / (1 - a)
 
     def best_k(self, acceptance: float) -> tuple[int, float]:
-        gains = [(self.expected_tokens(acceptance, k) / (1 + k * self.draft_cost), k)
+        gains = [(self.expected_tokens(acceptance, k) / ((1 + k * self.verify_cost) * (1 + k * self.draft_cost)), k)
                  for k in range(1, self.max_k + 1)]
         gain, k = max(gains)
         return k, gain
@@ -93,9 +98,20 @@ class SpeculationPolicy:
         trials = accepted + (accepted < proposed)
         seq.spec_acceptance += self.smoothing * (accepted / trials - seq.spec_acceptance)
 
-    def observe_cost(self, proposer_seconds: float, draft_steps: int, verify_seconds: float) -> None:
-        """Timing of one speculative step: `draft_steps` sequential draft forwards, then one verification."""
+    def observe_plain(self, num_seqs: int, seconds: float) -> None:
+        """Timing of a decode-only step without proposals (the baseline verification is compared with)."""
+        old = self._plain_step.get(num_seqs)
+        self._plain_step[num_seqs] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def observe_cost(self, proposer_seconds: float, draft_steps: int, verify_seconds: float, num_seqs: int = 0,
+                     extra_tokens: int = 0) -> None:
+        """Timing of one speculative step: `draft_steps` sequential draft forwards, then one verification of
+        `num_seqs` sequences carrying `extra_tokens` drafts in all."""
         if draft_steps <= 0 or verify_seconds <= 0:
             return
         r = proposer_seconds / draft_steps / verify_seconds
         self.draft_cost += self.smoothing * (r - self.draft_cost)
+        plain = self._plain_step.get(num_seqs)
+        if plain and extra_tokens > 0:
+            v = max(0.0, verify_seconds / plain - 1.0) / (extra_tokens / num_seqs)
+            self.verify_cost += self.smoothing * (v - self.verify_cost)
