@@ -127,6 +127,8 @@ def test_policy_picks_k_from_acceptance_and_draft_cost():
     for _ in range(30):
         busy.observe_cost(proposer_seconds=0.0, draft_steps=4, verify_seconds=0.35, num_seqs=1, extra_tokens=4)
     assert abs(busy.verify_cost - 0.625) < 0.01
+    busy.observe_cost(proposer_seconds=0.0, draft_steps=1, verify_seconds=5.0, num_seqs=1, extra_tokens=1)
+    assert busy.verify_cost < 0.9  # one descheduled step moves the estimate by a bounded amount
     assert busy.best_k(0.3)[1] < 1.0 < busy.best_k(0.95)[1]  # only near-certain drafts still pay
     cheap = SpeculationPolicy(4)
     seqs = [Sequence(f"b{i}", [1, 2, 3], SamplingParams()) for i in range(3)]

@@ -113,5 +113,7 @@ class SpeculationPolicy:
         self.draft_cost += self.smoothing * (r - self.draft_cost)
         plain = self._plain_step.get(num_seqs)
         if plain and extra_tokens > 0:
-            v = max(0.0, verify_seconds / plain - 1.0) / (extra_tokens / num_seqs)
+            # clamped: on a shared machine one descheduled step can look 10x slower and would switch
+            # speculation off for a long time on its own
+            v = min(max(0.0, verify_seconds / plain - 1.0) / (extra_tokens / num_seqs), 1.0)
             self.verify_cost += self.smoothing * (v - self.verify_cost)
