@@ -21,7 +21,7 @@ step is bound by streaming the weights, so drafts ride along nearly free; past i
 draft token must be accepted with probability above ~0.7 (plus the draft model's own cost) to pay for itself.
 With prompt-lookup acceptance of 0.3-0.5 on chat prompts (MEASUREMENTS.md) that is a loss, so at 8 or more
 running sequences speculation is off and the engine decodes exactly as without it. A re-measurement of the curve
-on the shared machine (load average ~10 on 2 cores, /tmp/spec/verify_cost.log) gave step times of 1-8 s with
+on the shared machine (load average ~10 on 2 cores, /work/shared/spec-measurements/verify_cost.log) gave step times of 1-8 s with
 no ordering between 1 and 9 tokens, i.e. noise: the setting stays tunable (`max_verify_tokens`) for a quiet box.
 """
 
