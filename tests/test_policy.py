@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from qtoolkit.evals.stats import paired_delta
+
 from qtoolkit.policy import METRICS, PolicyError, load_policy, read_metric
 from qtoolkit.signoff import evaluate_gates
 

@@ -144,3 +144,17 @@ def test_failure_midway_leaves_no_partial_output(tiny_model_dir, tmp_path, monke
     with pytest.raises(RuntimeError):
         quantize(tiny_model_dir, "int4-rtn", tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_int8_weight_and_bnb_nf4_peer(tiny_model_dir, tmp_path):
+    res = quantize(tiny_model_dir, "int8-weight", tmp_path / "int8", verify=False)
+    grp = json.loads((tmp_path / "int8" / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert grp["group_0"]["weights"]["num_bits"] == 8 and grp["group_0"]["weights"]["strategy"] == "channel"
+    assert res.report["totals"]["linear_ratio_vs_bf16"] <= 0.55
+    # the peer: transformers' bitsandbytes NF4 serialization, reloaded and run by transformers
+    res = quantize(tiny_model_dir, "bnb-nf4", tmp_path / "nf4")
+    cfg = json.loads((tmp_path / "nf4" / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "bitsandbytes" and cfg["bnb_4bit_quant_type"] == "nf4"
+    # NF4 is 4 bits + absmax per 64; on 64-wide toy layers bnb's fixed tables (quant maps) add ~0.1
+    assert res.report["totals"]["linear_ratio_vs_bf16"] <= 0.45
+    assert res.report["smoke_test"]["completion"] is not None
