@@ -58,13 +58,25 @@ class StepRunner:
         self.path = folder / "steps.json"
         self.state: dict[str, Any] = json.loads(self.path.read_text()) if self.path.is_file() else {}
 
+    @staticmethod
+    def key(inputs: dict[str, Any]) -> str:
+        return text_sha256(json.dumps(inputs, sort_keys=True, default=str))
+
+    def interrupted(self, name: str, inputs: dict[str, Any]) -> bool:
+        """True when an earlier run of this step, with the same inputs, stopped midway (its partial output can
+        be resumed rather than discarded)."""
+        prev = self.state.get(name) or {}
+        return prev.get("key") == self.key(inputs) and prev.get("status") != "ok"
+
     def run(self, name: str, inputs: dict[str, Any], output: Path, fn: Callable[[], None]) -> dict[str, Any]:
-        key = text_sha256(json.dumps(inputs, sort_keys=True, default=str))
+        key = self.key(inputs)
         prev = self.state.get(name)
         if prev and prev.get("key") == key and prev.get("status") == "ok" and output.exists():
             status(f"{name}: up to date ({output.name}), skipped")
             return {**prev, "skipped": True}
         status(f"{name}: running")
+        self.state[name] = {"key": key, "status": "running"}
+        write_json(self.path, self.state)
         t = time.perf_counter()
         try:
             fn()
@@ -151,16 +163,19 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     # the candidate is identified by what made it: the source weights and the recipe
     cand_key = f"{source.sha256}:{quant['recipe']['sha256']}" if quant else None
 
+    eval_inputs = {"candidate": cand_key, "baseline": source.sha256, "tasks": tasks, "limit": cfg.limit,
+                   "endpoint": cfg.endpoint, "seed": cfg.seed}
+
     def do_eval() -> None:
         from qtoolkit.evals.runner import EvalConfig, evaluate
 
+        # eval.json is written per batch: an interrupted run with the same inputs resumes its finished items
         evaluate(EvalConfig(model=str(ckpt), baseline=str(source.path), tasks=tasks, output=str(out / "eval.json"),
-                            limit=cfg.limit, endpoint=cfg.endpoint, seed=cfg.seed, overwrite=True))
+                            limit=cfg.limit, endpoint=cfg.endpoint, seed=cfg.seed, overwrite=not resume_eval))
 
     if quant:
-        results["eval"] = steps.run("eval", {"candidate": cand_key, "baseline": source.sha256, "tasks": tasks,
-                                             "limit": cfg.limit, "endpoint": cfg.endpoint, "seed": cfg.seed},
-                                    out / "eval.json", do_eval)
+        resume_eval = steps.interrupted("eval", eval_inputs)
+        results["eval"] = steps.run("eval", eval_inputs, out / "eval.json", do_eval)
 
         def do_bench() -> None:
             from .ablation import bench_ablation
