@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 
 HELP = "quantize a model with a recipe (recipes/*.yaml) into a compressed-tensors checkpoint"
 
@@ -22,8 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from qtoolkit.quantize import quantize
 
-    res = quantize(args.model, args.recipe, args.output, calibration=args.calibration,
-                   num_samples=args.num_samples, overwrite=args.overwrite, verify=not args.no_verify)
+    # stdout carries only the JSON summary; llm-compressor (re)configures its logger onto sys.stdout mid-run
+    with contextlib.redirect_stdout(sys.stderr):
+        res = quantize(args.model, args.recipe, args.output, calibration=args.calibration,
+                       num_samples=args.num_samples, overwrite=args.overwrite, verify=not args.no_verify)
     t = res.report["totals"]
     print(json.dumps({"output": str(res.output), "recipe": res.report["recipe"]["name"],
                       "linear_ratio_vs_bf16": t["linear_ratio_vs_bf16"],
