@@ -37,6 +37,7 @@ class SignoffConfig:
     concurrency: list[int] = field(default_factory=lambda: [1, 8])
     num_requests: int | None = None
     mean_output_tokens: int = 48
+    speculative: str | None = None  # e.g. "ngram": adds the speculative-decoding layer to the ablation
     diagnose_batches: tuple[int, ...] = (1, 8)
     seed: int = 0
 
@@ -182,14 +183,15 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
 
             write_json(out / "bench.json", bench_ablation(
                 source.path, ckpt, concurrency=cfg.concurrency, num_requests=cfg.num_requests,
-                mean_output_tokens=cfg.mean_output_tokens, seed=cfg.seed))
+                mean_output_tokens=cfg.mean_output_tokens, speculative=cfg.speculative, seed=cfg.seed))
 
         from .ablation import BASE_SYSTEMS
 
         results["bench"] = steps.run("bench", {"candidate": cand_key, "baseline": source.sha256,
                                                "systems": [s[0] for s in BASE_SYSTEMS],
                                                "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
-                                               "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed},
+                                               "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed,
+                                               "speculative": cfg.speculative},
                                      out / "bench.json", do_bench)
     else:
         for name in ("eval", "bench"):
