@@ -113,26 +113,20 @@ def evaluate_gates(policy: Policy, evals: dict[str, Any] | None, ablation: dict[
             point, judged = read_metric(summary, METRICS[task][metric_name])
             ok, detail = check_bound(judged, bound)
             gates.append(Gate(name, ok, detail, point, judged))
-    t = policy.throughput
-    top = (ablation or {}).get("tiers", [])[-1:] or [None]
+    tiers = (ablation or {}).get("tiers") or []
+    top = tiers[-1] if tiers else {}  # throughput is judged at the highest concurrency tier
+    where = f" at concurrency {top['concurrency']}" if top else ""
     for attr, key in (("min_speedup", "total_speedup"), ("min_quantization_speedup", "quantization_speedup")):
-        limit = getattr(t, attr)
-        if limit is None:
-            continue
-        value = top[0].get(key) if top[0] else None
-        ok, detail = check_bound(value, Bound(min=limit))
-        where = f" at concurrency {top[0]['concurrency']}" if top[0] else ""
-        gates.append(Gate(f"throughput.{attr}", ok, detail + where, value, value))
-    m = policy.memory
+        limit = getattr(policy.throughput, attr)
+        if limit is not None:
+            ok, detail = check_bound(top.get(key), Bound(min=limit))
+            gates.append(Gate(f"throughput.{attr}", ok, detail + where, top.get(key), top.get(key)))
     totals = (quant or {}).get("totals", {})
-    if m.max_linear_ratio_vs_bf16 is not None:
-        v = totals.get("linear_ratio_vs_bf16")
-        ok, detail = check_bound(v, Bound(max=m.max_linear_ratio_vs_bf16))
-        gates.append(Gate("memory.max_linear_ratio_vs_bf16", ok, detail, v, v))
-    if m.max_checkpoint_bytes is not None:
-        v = totals.get("checkpoint_bytes")
-        ok, detail = check_bound(v, Bound(max=m.max_checkpoint_bytes))
-        gates.append(Gate("memory.max_checkpoint_bytes", ok, detail, v, v))
+    for attr, key in (("max_linear_ratio_vs_bf16", "linear_ratio_vs_bf16"), ("max_checkpoint_bytes", "checkpoint_bytes")):
+        limit = getattr(policy.memory, attr)
+        if limit is not None:
+            ok, detail = check_bound(totals.get(key), Bound(max=limit))
+            gates.append(Gate(f"memory.{attr}", ok, detail, totals.get(key), totals.get(key)))
     return gates
 
 
