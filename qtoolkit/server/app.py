@@ -191,20 +191,11 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
         gen = state.start([p for p, _ in expanded], params)
         rid, created, model = new_id("cmpl"), now(), state.model_name
         if req.stream:
-            async def chunks() -> AsyncIterator[str]:
-                try:
-                    async for index, out in gen.events():
-                        if out.new_text or out.finished:
-                            yield sse(completion_chunk(rid, model, index, out.new_text, out.finish_reason, created))
-                    if req.include_usage():
-                        usage = usage_block(gen.num_prompt_tokens, gen.num_completion_tokens, **gen.usage_extra())
-                        yield sse(usage_chunk(rid, model, "text_completion", created, usage))
-                    yield sse("[DONE]")
-                except APIError as e:
-                    yield sse(e.body())
-                finally:
-                    gen.close()
-            return EventStream(chunks(), on_close=gen.close)
+            async def events() -> AsyncIterator[str]:
+                async for index, out in gen.events():
+                    if out.new_text or out.finished:
+                        yield sse(completion_chunk(rid, model, index, out.new_text, out.finish_reason, created))
+            return _event_stream(gen, events(), rid, model, created, "text_completion", req.include_usage())
         try:
             if not await gen.collect(request):
                 return Response(status_code=499)  # nobody is listening
@@ -225,24 +216,15 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
         gen = state.start([prompt] * req.n, [sampling_params(req, budget, i) for i in range(req.n)])
         rid, created, model = new_id("chatcmpl"), now(), state.model_name
         if req.stream:
-            async def chunks() -> AsyncIterator[str]:
-                try:
-                    for i in range(req.n):
-                        yield sse(chat_chunk(rid, model, i, {"role": "assistant", "content": ""}, None, created))
-                    async for index, out in gen.events():
-                        if out.new_text:
-                            yield sse(chat_chunk(rid, model, index, {"content": out.new_text}, None, created))
-                        if out.finished:
-                            yield sse(chat_chunk(rid, model, index, {}, out.finish_reason, created))
-                    if req.include_usage():
-                        usage = usage_block(gen.num_prompt_tokens, gen.num_completion_tokens, **gen.usage_extra())
-                        yield sse(usage_chunk(rid, model, "chat.completion.chunk", created, usage))
-                    yield sse("[DONE]")
-                except APIError as e:
-                    yield sse(e.body())
-                finally:
-                    gen.close()
-            return EventStream(chunks(), on_close=gen.close)
+            async def events() -> AsyncIterator[str]:
+                for i in range(req.n):
+                    yield sse(chat_chunk(rid, model, i, {"role": "assistant", "content": ""}, None, created))
+                async for index, out in gen.events():
+                    if out.new_text:
+                        yield sse(chat_chunk(rid, model, index, {"content": out.new_text}, None, created))
+                    if out.finished:
+                        yield sse(chat_chunk(rid, model, index, {}, out.finish_reason, created))
+            return _event_stream(gen, events(), rid, model, created, "chat.completion.chunk", req.include_usage())
         try:
             if not await gen.collect(request):
                 return Response(status_code=499)
@@ -271,3 +253,21 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+def _event_stream(gen: Any, events: AsyncIterator[str], rid: str, model: str, created: int, obj: str,
+                  include_usage: bool) -> EventStream:
+    """The SSE framing both endpoints share: their chunks, an optional usage chunk, `[DONE]`; errors as a chunk."""
+    async def chunks() -> AsyncIterator[str]:
+        try:
+            async for chunk in events:
+                yield chunk
+            if include_usage:
+                usage = usage_block(gen.num_prompt_tokens, gen.num_completion_tokens, **gen.usage_extra())
+                yield sse(usage_chunk(rid, model, obj, created, usage))
+            yield sse("[DONE]")
+        except APIError as e:
+            yield sse(e.body())
+        finally:
+            gen.close()
+    return EventStream(chunks(), on_close=gen.close)
