@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_build import cpu_kernels
+from .cpu_build import cpu_kernels, engine_ops
 from .reference import unpack_int32
 
 # Largest batch (rows of x) that goes through the register-dequant GEMV kernels; above it blocked dequant + sgemm.
@@ -23,6 +23,15 @@ from .reference import unpack_int32
 # crossover with the blocked path comes later (M ~ 64 vs ~ 24 for INT8/FP8 on 4096x4096).
 GEMV_MAX_M = 16
 INT4_GEMV_MAX_M = 32
+# Dense layers (fp32 activations, measured on 576x576 to 49152x576): the AVX2 GEMV of cpu_engine_ops.cpp reads
+# each weight row once for all rows of x, at ~27 GB/s for the fp32 lm_head vs MKL's ~13 at M=1; MKL's sgemm
+# overtakes it past 8 rows for fp32 weights. bf16 weights widen in registers and win up to 32 rows (torch's bf16
+# matmul has no native bf16 compute on AVX2 and runs 2-4x slower); above that they are widened block by block.
+DENSE_GEMV_MAX_M = 8
+BF16_GEMV_MAX_M = 32
+# Between the GEMV and this many rows, MKL runs W @ x^T faster than x @ W^T (1.1-1.3x at M = 16-32 on N >= 960,
+# K = 576); for prefill-sized M the usual order is faster (1.2-1.5x at M = 1024).
+SGEMM_TRANSPOSED_MAX_M = 64
 # Rows dequantized per block in the prefill path: ~4 MiB of fp32 weights stays in the 32 MiB L3 between being
 # written and being read by sgemm, and is wide enough for MKL's tiles (1 MiB blocks measured ~10% slower).
 BLOCK_BYTES = 4 << 20
@@ -110,3 +119,22 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.
     if ext is not None and x.shape[0] <= GEMV_MAX_M and w.shape[1] % 16 == 0:
         return ext.fp8_matmul(x, w.view(torch.uint8), scales.reshape(-1))
     return blocked_dequant_matmul(x, w.shape[0], lambda r0, r1: dequantize_fp8(w[r0:r1], scales[r0:r1]))
+
+
+def dense_fast_ok(weight: torch.Tensor) -> bool:
+    return (weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % 8 == 0
+            and engine_ops() is not None)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 x [M, K] @ weight [N, K]^T (fp32 or bf16) -> fp32 [M, N]."""
+    m = x.shape[0]
+    if weight.dtype == torch.float32:
+        if m <= DENSE_GEMV_MAX_M:
+            return engine_ops().dense_gemv(x, weight)
+        if m <= SGEMM_TRANSPOSED_MAX_M:  # W @ x^T blocks better in MKL than x @ W^T for a few dozen rows
+            return torch.mm(weight, x.t()).t().contiguous()
+        return x @ weight.t()
+    if m <= BF16_GEMV_MAX_M:
+        return engine_ops().dense_gemv(x, weight)
+    return blocked_dequant_matmul(x.contiguous(), weight.shape[0], lambda r0, r1: weight[r0:r1].float())

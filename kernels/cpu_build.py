@@ -1,4 +1,7 @@
-"""Build the AVX2 CPU kernels (kernels/cpu_kernels.cpp) once and cache them; None when that is impossible.
+"""Build the AVX2 CPU extensions once and cache them; None when that is impossible.
+
+Two extensions: the dequant-matmul kernels (kernels/cpu_kernels.cpp) and the engine's step ops
+(kernels/cpu_engine_ops.cpp: paged attention, fused residual + RMSNorm, dense GEMV).
 
 The build goes to ~/.cache/qtoolkit/torch_extensions (override with QTOOLKIT_EXT_DIR) and is reused while the
 source and compiler flags are unchanged. Without gcc, without AVX2, or with QTOOLKIT_NO_CPU_EXT=1 the callers
@@ -18,6 +21,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+ENGINE_OPS_SOURCE = Path(__file__).with_name("cpu_engine_ops.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 
@@ -30,22 +34,33 @@ def cpu_has_avx2() -> bool:
 
 @functools.cache
 def cpu_kernels():
-    """The compiled extension module, or None (reason logged once)."""
+    """The compiled dequant-matmul extension, or None (reason logged once)."""
+    return _build("qtoolkit_cpu", SOURCE)
+
+
+@functools.cache
+def engine_ops():
+    """The compiled engine-ops extension, or None (reason logged once)."""
+    return _build("qtoolkit_engine_ops", ENGINE_OPS_SOURCE)
+
+
+def _build(prefix: str, source: Path):
     if os.environ.get("QTOOLKIT_NO_CPU_EXT") == "1":
         return None
-    if not cpu_has_avx2() or not SOURCE.exists():
+    if not cpu_has_avx2() or not source.exists():
         log.info("qtoolkit CPU kernels unavailable (no AVX2 or source missing); using torch fallback")
         return None
     from torch.utils.cpp_extension import load
 
-    text = SOURCE.read_bytes()
+    text = source.read_bytes()
     tag = hashlib.sha256(text + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
     root = Path(os.environ.get("QTOOLKIT_EXT_DIR", Path.home() / ".cache" / "qtoolkit" / "torch_extensions"))
-    build_dir = root / f"qtoolkit_cpu_{tag}"
+    build_dir = root / f"{prefix}_{tag}"
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return load(name=f"qtoolkit_cpu_{tag}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+        return load(name=f"{prefix}_{tag}", sources=[str(source)], extra_cflags=FLAGS,
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as e:  # no compiler, bad headers: the torch path still works
-        log.warning("qtoolkit CPU kernels failed to build (%s); using torch fallback", str(e).splitlines()[0])
+        log.warning("qtoolkit CPU kernels (%s) failed to build (%s); using torch fallback", source.name,
+                    str(e).splitlines()[0])
         return None

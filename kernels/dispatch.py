@@ -18,7 +18,14 @@ from .reference import quantize_activations
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Unquantized layers run in the weight's dtype (the model decides fp32 vs bf16), output in x's dtype."""
+    """Unquantized layers: fp32 activations take the CPU paths of kernels/cpu.py (fp32 or bf16 weights);
+    anything else runs in the weight's dtype through torch. The output has x's dtype."""
+    if not x.is_cuda and x.dtype == torch.float32 and cpu.dense_fast_ok(weight):
+        shape = x.shape
+        y = cpu.dense_linear(x.reshape(-1, shape[-1]), weight)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.reshape(*shape[:-1], y.shape[-1])
     y = torch.nn.functional.linear(x.to(weight.dtype), weight, bias)
     return y.to(x.dtype)
 

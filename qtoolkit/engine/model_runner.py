@@ -4,6 +4,7 @@ paged KV cache, runs the model and hands back float32 logits for the rows that n
 from __future__ import annotations
 
 import torch
+from qtoolkit.kernels.cpu_build import engine_ops
 
 from ..model.llama import AttentionGroup, ForwardBatch, LlamaModel
 from .sequence import Sequence
@@ -29,6 +30,23 @@ class ModelRunner:
         for i, layer in enumerate(model.layers):
             layer.attn.k_cache, layer.attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         self.group = c.num_heads // c.num_kv_heads
+        # decode and verify rows attend in place over the paged cache when the CPU ops are built
+        self.paged_attention = self.kv_cache.device.type == "cpu" and engine_ops() is not None
+
+    def _paged_group(self, seqs: list[tuple[Sequence, int]], first_row: int) -> AttentionGroup:
+        """Short queries for engine_ops.paged_attention: rows stay flat, each knows its sequence and horizon."""
+        bs = self.block_size
+        max_blocks = max(-(-(s.num_computed_tokens + n) // bs) for s, n in seqs)
+        table = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+        row_seq, row_last = [], []
+        for i, (s, n) in enumerate(seqs):
+            nb = -(-(s.num_computed_tokens + n) // bs)
+            table[i, :nb] = torch.tensor(s.block_table[:nb])
+            row_seq += [i] * n
+            row_last += range(s.num_computed_tokens, s.num_computed_tokens + n)
+        return AttentionGroup(rows=slice(first_row, first_row + len(row_seq)), num_seqs=len(seqs),
+                              q_len=max(n for _, n in seqs), block_table=table, row_seq=torch.tensor(row_seq),
+                              row_last=torch.tensor(row_last))
 
     def _group(self, seqs: list[tuple[Sequence, int]], first_row: int) -> AttentionGroup:
         bs, G = self.block_size, self.group
@@ -70,7 +88,8 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in pos]
         groups = []
         if short:
-            groups.append(self._group([work[i] for i in short], 0))
+            group = self._paged_group if self.paged_attention else self._group
+            groups.append(group([work[i] for i in short], 0))
         for i in order[len(short):]:
             groups.append(self._group([work[i]], first_row[i]))
         rows = []

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from qtoolkit.kernels.cpu_build import engine_ops
 from torch import nn
 
 from ..errors import ModelSourceError
@@ -101,9 +102,12 @@ class AttentionGroup:
     num_seqs: int
     q_len: int
     block_table: torch.Tensor  # [S, max_blocks] int64, padded with block 0
-    mask: torch.Tensor  # [S, 1, G*Q, max_blocks*block_size] bool, True = may attend
+    mask: torch.Tensor | None = None  # [S, 1, G*Q, max_blocks*block_size] bool, True = may attend
     gather: torch.Tensor | None = None
     scatter: torch.Tensor | None = None
+    # paged path (engine_ops.paged_attention, no padding): each row's sequence and newest visible position
+    row_seq: torch.Tensor | None = None
+    row_last: torch.Tensor | None = None
 
 
 @dataclass
@@ -148,6 +152,9 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def _attend(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        if g.row_seq is not None:
+            return engine_ops().paged_attention(q[g.rows], self.k_cache, self.v_cache, g.block_table, g.row_seq,
+                                                g.row_last, self.scale)
         S, Q, Hk, G, D = g.num_seqs, g.q_len, self.num_kv_heads, self.group, self.head_dim
         qg = q[g.rows] if g.gather is None else q[g.rows].index_select(0, g.gather)
         # GQA without repeating K/V: the G query heads sharing a KV head become G*Q query rows
@@ -183,6 +190,15 @@ class RMSNorm(nn.Module):
         var = x.pow(2).mean(-1, keepdim=True)
         return self.weight * (x * torch.rsqrt(var + self.eps))
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); residual None means x is the residual."""
+        ops = engine_ops() if not x.is_cuda and x.dtype in (torch.float32, torch.bfloat16) else None
+        if ops is not None:
+            out, res = ops.add_rms_norm(x.contiguous(), residual, self.weight, self.eps)
+            return out, res
+        residual = x if residual is None else residual + x
+        return self(residual), residual
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -193,10 +209,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, residual, cos, sin, batch):
-        residual = x if residual is None else residual + x
-        x = self.attn(self.input_norm(residual), cos, sin, batch)
-        residual = residual + x
-        return self.mlp(self.post_attn_norm(residual)), residual
+        h, residual = self.input_norm.add_forward(x, residual)
+        h, residual = self.post_attn_norm.add_forward(self.attn(h, cos, sin, batch), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -223,7 +238,6 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, batch)
-        h = residual + x
         if batch.logits_rows is not None:
-            h = h.index_select(0, batch.logits_rows)
-        return self.lm_head(self.norm(h)).float()
+            x, residual = x.index_select(0, batch.logits_rows), residual.index_select(0, batch.logits_rows)
+        return self.lm_head(self.norm.add_forward(x, residual)[0]).float()

@@ -15,6 +15,7 @@ from torch import nn
 from ..errors import ModelSourceError
 from ..sources import ModelSource
 from .llama import LlamaModel, ModelConfig
+from .quant_linear import DenseLinear
 
 # Why "auto" means float32 for dense weights on this CPU (MEASUREMENTS.md, AVX2 without native bf16):
 # bf16 matmuls collapse at batch >= 8 (fp32 190 vs bf16 92 tok/s at batch 32) and a serving engine lives at
@@ -86,12 +87,9 @@ class LinearFactory:
                                    "LLaMA-family model")
         return parts
 
-    def dense(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-        lin.weight = nn.Parameter(weight.to(self.dtype).contiguous(), requires_grad=False)
-        if bias is not None:
-            lin.bias = nn.Parameter(bias.to(self.dtype).contiguous(), requires_grad=False)
-        return lin
+    def dense(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+        """A dense Linear whose forward goes through kernels.dispatch (the AVX2 GEMV at small batches)."""
+        return DenseLinear(weight.to(self.dtype), None if bias is None else bias.to(self.dtype))
 
     def make(self, names: list[str]) -> nn.Module:
         """One Linear for the concatenated outputs of `names` (fused QKV / gate-up cut per-op overhead)."""
@@ -140,7 +138,6 @@ def load_model(source: ModelSource, dtype: str = "auto") -> LlamaModel:
     model.norm.weight = nn.Parameter(take("model.norm.weight"), requires_grad=False)
     if config.tie_word_embeddings or "lm_head.weight" not in tensors and "lm_head.weight_packed" not in tensors:
         model.lm_head = factory.dense(model.embed_tokens, None)  # shares the embedding's storage
-        model.lm_head.weight = model.embed_tokens
     else:
         model.lm_head = factory.make(["lm_head"])
     model.cast_rope()

@@ -1,0 +1,102 @@
+"""The engine's AVX2 step ops (kernels/cpu_engine_ops.cpp) against plain torch, and the model with and without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from qtoolkit.kernels import cpu
+from qtoolkit.kernels.cpu_build import engine_ops
+
+ops = engine_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="CPU engine ops unavailable (no AVX2 or no compiler)")
+
+
+def reference_attention(q, k_cache, v_cache, table, row_seq, row_last, scale):
+    H, Hk = q.shape[1], k_cache.shape[2]
+    bs = k_cache.shape[1]
+    out = []
+    for t in range(q.shape[0]):
+        pos = torch.arange(int(row_last[t]) + 1)
+        blocks = table[row_seq[t]][pos // bs]
+        k = k_cache[blocks, pos % bs].float().repeat_interleave(H // Hk, dim=1)  # [L, H, D]
+        v = v_cache[blocks, pos % bs].float().repeat_interleave(H // Hk, dim=1)
+        p = (torch.einsum("hd,lhd->hl", q[t].float(), k) * scale).softmax(-1)
+        out.append(torch.einsum("hl,lhd->hd", p, v).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim", [64, 12])  # 12: the scalar tail of the vector loops
+def test_paged_attention_matches_reference(dtype, tol, head_dim):
+    g = torch.Generator().manual_seed(0)
+    H, Hk, bs, nb = 6, 2, 4, 40
+    k_cache = torch.randn(nb, bs, Hk, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(nb, bs, Hk, head_dim, generator=g).to(dtype)
+    table = torch.randperm(nb, generator=g)[:24].reshape(3, 8)  # three sequences, scattered blocks
+    # one decode row, four verification rows of one sequence (each sees one more position), a first-token row
+    rows = [(0, 9), (1, 27), (1, 28), (1, 29), (1, 30), (2, 0)]
+    row_seq = torch.tensor([s for s, _ in rows])
+    row_last = torch.tensor([p for _, p in rows])
+    qkv = torch.randn(len(rows), H + 2 * Hk, head_dim, generator=g).to(dtype)
+    q = qkv[:, :H]  # a strided view, as the model passes it
+    got = ops.paged_attention(q, k_cache, v_cache, table, row_seq, row_last, head_dim ** -0.5)
+    ref = reference_attention(q, k_cache, v_cache, table, row_seq, row_last, head_dim ** -0.5)
+    assert got.shape == (len(rows), H * head_dim) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+def test_paged_attention_rejects_rows_past_the_block_table():
+    k = torch.zeros(4, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.paged_attention(torch.zeros(1, 1, 8), k, k, torch.zeros(1, 2, dtype=torch.long),
+                            torch.zeros(1, dtype=torch.long), torch.tensor([8]), 1.0)
+
+
+def test_add_rms_norm_matches_torch():
+    g = torch.Generator().manual_seed(1)
+    x, r, w = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g), torch.randn(96, generator=g)
+    out, res = ops.add_rms_norm(x, r, w, 1e-6)
+    s = x + r
+    torch.testing.assert_close(res, s)
+    torch.testing.assert_close(out, w * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)))
+    out, res = ops.add_rms_norm(x, None, w, 1e-6)
+    assert res.data_ptr() == x.data_ptr()  # no residual yet: x is the residual, not a copy
+    torch.testing.assert_close(out, w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)))
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 33, 70])  # every branch of cpu.dense_linear's dispatch
+def test_dense_linear_paths_match_matmul(wdtype, m):
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(40, 24, generator=g).to(wdtype)
+    x = torch.randn(m, 24, generator=g)
+    got = cpu.dense_linear(x, w)
+    assert got.shape == (m, 40) and got.is_contiguous()
+    torch.testing.assert_close(got, x @ w.float().t(), atol=1e-4, rtol=1e-4)
+
+
+def test_model_logits_same_with_and_without_ops(tiny_model_dir, monkeypatch):
+    """The engine's step with the AVX2 ops equals its pure-torch path (padded SDPA, torch RMSNorm and matmuls)."""
+    from qtoolkit.engine import Engine, SamplingParams
+
+    prompts = ["def add(a, b):", "The results show that the proposed method", "x"]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    fast = Engine(str(tiny_model_dir), kv_cache_memory="4MiB", block_size=4)
+    assert fast.runner.paged_attention
+    fast_scores = fast.score([fast.tokenizer.encode(p) for p in prompts])
+    fast_out = [o.token_ids for o in fast.generate(prompts, params)]
+
+    import qtoolkit.kernels.dispatch as dispatch_mod
+
+    import qtoolkit.engine.model_runner as runner_mod
+    import qtoolkit.model.llama as llama_mod
+
+    for mod in (runner_mod, llama_mod):
+        monkeypatch.setattr(mod, "engine_ops", lambda: None)
+    monkeypatch.setattr(dispatch_mod.cpu, "dense_fast_ok", lambda w: False)
+    slow = Engine(str(tiny_model_dir), kv_cache_memory="4MiB", block_size=4)
+    assert not slow.runner.paged_attention
+    slow_scores = slow.score([slow.tokenizer.encode(p) for p in prompts])
+    assert [o.token_ids for o in slow.generate(prompts, params)] == fast_out
+    for a, b in zip(fast_scores, slow_scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
