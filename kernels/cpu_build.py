@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 ENGINE_OPS_SOURCE = Path(__file__).with_name("cpu_engine_ops.cpp")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+# -ffp-contract=off: scalar a*b - c*d stays two rounded products, as in torch (the intrinsics' FMAs are explicit)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
 
 
 def cpu_has_avx2() -> bool:

@@ -5,6 +5,7 @@
 //    torch path gathered every sequence's blocks into a padded copy per layer per step (at batch 32 that copy
 //    and the masked SDPA over it cost a third of the step).
 //  - add_rms_norm: residual add + RMSNorm in one pass (six torch ops and two temporaries otherwise).
+//  - rope_and_cache: RoPE on q and k plus the KV-cache write (about a dozen torch ops per layer otherwise).
 //  - dense_gemv: x[M, K] @ w[N, K]^T for small M, fp32 or bf16 weights, reading each weight row once for all M
 //    rows; MKL's fp32 GEMV reaches about half the DRAM bandwidth on this CPU.
 // Activations and the KV cache are fp32 or bf16; every sum is kept in fp32.
@@ -245,7 +246,72 @@ torch::Tensor dense_gemv(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
+namespace {
+
+// Rotate-half RoPE of one head (the same two products and one add per element as apply_rope in torch).
+template <typename T>
+inline void rope_head(const T* x, const T* cos, const T* sin, int64_t half, T* out) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_f(x[i]), x2 = to_f(x[i + half]), c = to_f(cos[i]), s = to_f(sin[i]);
+    out[i] = static_cast<T>(x1 * c - x2 * s);
+    out[i + half] = static_cast<T>(x2 * c + x1 * s);
+  }
+}
+
+template <typename T>
+void rope_and_cache_impl(const T* qkv, int64_t T_, int64_t H, int64_t Hk, int64_t D, const T* cos, const T* sin,
+                         const int64_t* slots, T* kc, T* vc, T* q) {
+  const int64_t half = D / 2, width = (H + 2 * Hk) * D;
+  at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = qkv + t * width;
+      const T* c = cos + t * half;
+      const T* s = sin + t * half;
+      for (int64_t h = 0; h < H; ++h) rope_head(row + h * D, c, s, half, q + (t * H + h) * D);
+      for (int64_t h = 0; h < Hk; ++h) {
+        rope_head(row + (H + h) * D, c, s, half, kc + (slots[t] * Hk + h) * D);
+        std::copy(row + (H + Hk + h) * D, row + (H + Hk + h + 1) * D, vc + (slots[t] * Hk + h) * D);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// qkv [T, (H + 2 Hk) * D] -> rotated q [T, H, D]; rotated k and v are written into the caches at `slots`
+// (flat block * block_size + offset). cos/sin [T, D/2] hold each row's position.
+torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                             torch::Tensor v_cache, torch::Tensor slots, int64_t H, int64_t Hk) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be a contiguous [T, width] tensor");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const int64_t T_ = qkv.size(0), D = k_cache.size(-1);
+  TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (H + 2 * Hk) * D && k_cache.size(-2) == Hk, "shapes do not match");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "qkv and the caches must share a dtype");
+  auto c = cos.to(qkv.scalar_type()).contiguous();
+  auto s = sin.to(qkv.scalar_type()).contiguous();
+  TORCH_CHECK(c.numel() == T_ * D / 2 && s.numel() == T_ * D / 2, "cos/sin must be [T, D/2]");
+  auto sl = slots.contiguous();
+  TORCH_CHECK(sl.scalar_type() == torch::kLong && sl.numel() == T_, "slots must be int64 [T]");
+  const int64_t capacity = k_cache.numel() / (Hk * D);
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "slot out of range");
+  auto q = torch::empty({T_, H, D}, qkv.options());
+  AT_DISPATCH_SWITCH(qkv.scalar_type(), "rope_and_cache",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      rope_and_cache_impl<float>(qkv.data_ptr<float>(), T_, H, Hk, D, c.data_ptr<float>(), s.data_ptr<float>(), sp,
+                                 k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), q.data_ptr<float>());
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      using B = at::BFloat16;
+      rope_and_cache_impl<B>(qkv.data_ptr<B>(), T_, H, Hk, D, c.data_ptr<B>(), s.data_ptr<B>(), sp,
+                             k_cache.data_ptr<B>(), v_cache.data_ptr<B>(), q.data_ptr<B>());
+    }));
+  return q;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_and_cache", &rope_and_cache, "RoPE on q and k, k and v written into the paged cache");
   m.def("paged_attention", &paged_attention, "decode/verify attention over the paged KV cache");
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm, returns (normed, residual)");
   m.def("dense_gemv", &dense_gemv, "fp32 x fp32/bf16 weight matmul for small batches");

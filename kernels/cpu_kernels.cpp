@@ -65,9 +65,14 @@ QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, 
   return a;
 }
 
-// Rows per thread task: below ~512K weights per call the fork/join (and, on a busy machine, waiting for the
-// second thread to be scheduled) costs more than the split saves, so small matrices run on the calling thread.
-inline int64_t rows_per_task(int64_t K) { return std::max<int64_t>(16, (int64_t{1} << 19) / K); }
+// Rows per thread task. Below ~128K weights the fork/join costs more than the split saves, so tiny matrices run
+// on the calling thread; anything larger is split evenly over the threads. (A fixed ~512K-weight grain left the
+// decode-sized layers of a 135M model, 576-3072 rows of K = 576, on one thread or split 910/50.)
+inline int64_t rows_per_task(int64_t N, int64_t K) {
+  if (N * K < (int64_t{1} << 17)) return std::max<int64_t>(N, 1);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  return std::max<int64_t>(16, (N + threads - 1) / threads);
+}
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -167,7 +172,7 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const int8_t* z = (zeros.defined() && zeros.numel()) ? zeros.data_ptr<int8_t>() : nullptr;
   float* out = y.data_ptr<float>();
   const int64_t G = K / group;
-  at::parallel_for(0, N, rows_per_task(K), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N, rows_per_task(N, K), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* wr = w + n * (K / 2);
       const float* sr = s + n * G;
@@ -191,7 +196,7 @@ torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scales, torch:
   const int8_t* z = (zeros.defined() && zeros.numel()) ? zeros.data_ptr<int8_t>() : nullptr;
   float* o = out.data_ptr<float>();
   const int64_t G = K / group;
-  at::parallel_for(0, N, rows_per_task(K), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N, rows_per_task(N, K), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t g = 0; g < G; ++g) {
         const float sc = s[n * G + g];
@@ -251,7 +256,7 @@ torch::Tensor fp8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales)
   const float* xp = x.data_ptr<float>();
   const float* sp = scales.data_ptr<float>();
   float* out = y.data_ptr<float>();
-  at::parallel_for(0, N, rows_per_task(K), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N, rows_per_task(N, K), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) fp8_row<4>(wp + n * K, sp[n], xp + m * K, K, out + m * N + n, N);
@@ -269,7 +274,7 @@ torch::Tensor fp8_dequantize(torch::Tensor w, torch::Tensor scales) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, N, rows_per_task(K), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N, rows_per_task(N, K), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const __m256 s = _mm256_set1_ps(sp[n] * 256.f);
       for (int64_t k = 0; k < K; k += 16) {
@@ -335,7 +340,7 @@ torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   const int8_t* z = (zeros.defined() && zeros.numel()) ? zeros.data_ptr<int8_t>() : nullptr;
   float* out = y.data_ptr<float>();
   const int64_t G = K / group;
-  at::parallel_for(0, N, rows_per_task(K), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N, rows_per_task(N, K), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const int8_t* zr = z ? z + n * G : nullptr;
       int64_t m = 0;

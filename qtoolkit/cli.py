@@ -1,7 +1,7 @@
 """`qtool`: thin argument parsing over the Python API. Exit codes: 0 ok, 1 a gate failed, 2 bad input.
 
 Each command lives in `qtoolkit/commands/<name>.py` and exposes HELP, add_arguments(parser) and run(args).
-`bench` and its kinds (`bench kernels`, `bench serve`) come from `commands/bench_<kind>.py`.
+`bench` and its kinds (`bench kernels`, `bench serve`, `bench decode`) come from `commands/bench_<kind>.py`.
 Heavy imports (torch, transformers) happen inside run(), so `qtool --help` stays quick.
 """
 
@@ -15,7 +15,7 @@ import sys
 from .errors import QToolError
 
 COMMANDS = ["quantize", "generate", "serve", "eval", "diagnose", "signoff"]
-BENCH_KINDS = ["kernels", "serve"]
+BENCH_KINDS = ["kernels", "serve", "decode"]
 
 
 def _load(name: str):

@@ -52,6 +52,30 @@ def test_paged_attention_rejects_rows_past_the_block_table():
                             torch.zeros(1, dtype=torch.long), torch.tensor([8]), 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_cache_matches_torch(dtype):
+    from qtoolkit.model.llama import apply_rope
+
+    g = torch.Generator().manual_seed(2)
+    T, H, Hk, D, nb, bs = 5, 6, 2, 16, 8, 4
+    qkv = torch.randn(T, (H + 2 * Hk) * D, generator=g).to(dtype)
+    angles = torch.rand(T, 1, D // 2, generator=g) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.tensor([3, 17, 0, 30, 12])
+    k_cache, v_cache = torch.zeros(nb, bs, Hk, D, dtype=dtype), torch.zeros(nb, bs, Hk, D, dtype=dtype)
+    q = ops.rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, H, Hk)
+    qk = apply_rope(qkv[:, :(H + Hk) * D].view(T, H + Hk, D), cos, sin)
+    if dtype == torch.float32:  # the same products and sums, rounded the same way
+        assert torch.equal(q, qk[:, :H]) and torch.equal(k_cache.view(-1, Hk, D)[slots], qk[:, H:])
+    else:  # torch rounds every bf16 product; the op rounds once
+        torch.testing.assert_close(q, qk[:, :H], atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(k_cache.view(-1, Hk, D)[slots], qk[:, H:], atol=3e-2, rtol=2e-2)
+    assert torch.equal(v_cache.view(-1, Hk, D)[slots], qkv[:, (H + Hk) * D:].view(T, Hk, D))
+    assert k_cache.view(-1, Hk, D)[1].abs().sum() == 0  # nothing else written
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.rope_and_cache(qkv, cos, sin, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 32]), H, Hk)
+
+
 def test_add_rms_norm_matches_torch():
     g = torch.Generator().manual_seed(1)
     x, r, w = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g), torch.randn(96, generator=g)

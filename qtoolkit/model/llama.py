@@ -138,11 +138,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, H, Hk, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        qk = apply_rope(qkv[:, :(H + Hk) * D].view(T, H + Hk, D), cos, sin)  # q and k rotated in one go
-        q, k = qk[:, :H], qk[:, H:]
-        v = qkv[:, (H + Hk) * D:].view(T, Hk, D)
-        self.k_cache.view(-1, Hk, D).index_copy_(0, batch.slot_mapping, k)
-        self.v_cache.view(-1, Hk, D).index_copy_(0, batch.slot_mapping, v)
+        ops = engine_ops() if self.k_cache.device.type == "cpu" and qkv.dtype == self.k_cache.dtype else None
+        if ops is not None:
+            q = ops.rope_and_cache(qkv.contiguous(), cos, sin, self.k_cache, self.v_cache, batch.slot_mapping, H, Hk)
+        else:
+            qk = apply_rope(qkv[:, :(H + Hk) * D].view(T, H + Hk, D), cos, sin)  # q and k rotated in one go
+            q, k = qk[:, :H], qk[:, H:]
+            v = qkv[:, (H + Hk) * D:].view(T, Hk, D)
+            self.k_cache.view(-1, Hk, D).index_copy_(0, batch.slot_mapping, k)
+            self.v_cache.view(-1, Hk, D).index_copy_(0, batch.slot_mapping, v)
         if len(batch.groups) == 1 and batch.groups[0].scatter is None:
             return self.o_proj(self._attend(q, batch.groups[0]))
         out = torch.empty(T, H * D, dtype=x.dtype)

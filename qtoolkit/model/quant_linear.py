@@ -13,8 +13,9 @@ the scales (they are 1/group of the weight). Every forward goes through kernels.
 from __future__ import annotations
 
 import torch
+from qtoolkit.kernels import cpu as cpu_paths
 from qtoolkit.kernels import dispatch
-from qtoolkit.kernels.cpu import dequantize_fp8, dequantize_int4, dequantize_int8
+from qtoolkit.kernels.cpu import dequantize_fp8, dequantize_int4, dequantize_int8, int4_fast_ok
 from qtoolkit.kernels.cpu_build import cpu_kernels
 from qtoolkit.kernels.reference import unpack_int32
 from qtoolkit.kernels.scheme import QuantSchemeError, Scheme, parse_scheme
@@ -52,6 +53,10 @@ class QuantLinear(nn.Module):
         self.register_buffer("zeros", torch.empty(0, dtype=torch.int8) if zeros is None
                              else zeros.to(torch.int8).contiguous())
         self.register_buffer("bias", None if bias is None else bias.contiguous())
+        # the AVX2 INT4 GEMV, called by dispatch without the general path's checks when a decode batch allows
+        ext = cpu_paths.cpu_kernels()  # looked up through kernels.cpu, where the torch-fallback tests switch it off
+        self.cpu_gemv = (ext.int4_matmul if ext is not None and kind == "int4" and act is None
+                         and int4_fast_ok(in_features, group_size) else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dispatch.quant_linear(x, self)

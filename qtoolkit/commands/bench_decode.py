@@ -1,0 +1,64 @@
+"""`qtool bench decode`: single-stream decode tok/s of engine checkpoints against llama.cpp and HF, side by side."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = ("batch-1 greedy decode tok/s of one or more checkpoints in the engine against llama.cpp (the default "
+        "model's GGUF) and HF generate, interleaved rounds, ratios in the JSON")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", action="append", default=None, metavar="MODEL",
+                   help="engine checkpoint (`default`, folder, .gguf); repeat to compare several (default: default)")
+    p.add_argument("--compare", default="", help="peers, comma-separated: llama.cpp, hf")
+    p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the default model's own GGUF)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens decoded per round (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
+    p.add_argument("--dtype", default="auto", help="engine and HF precision: auto, float32, bfloat16")
+    p.add_argument("--threads", type=int, default=None, help="threads for every system (default: torch's choice)")
+    p.add_argument("--output", required=True, help="result JSON path")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from ..decode_bench import engine_decoder, format_table, hf_decoder, llama_cpp_decoder, run_decode_bench
+    from ..errors import QToolError
+    from ..io import write_json
+    from ..progress import bar, status
+    from ..provenance import provenance
+    from ..sources import default_gguf_path, resolve_model
+
+    peers = [c.strip() for c in args.compare.split(",") if c.strip()]
+    bad = [c for c in peers if c not in ("llama.cpp", "hf")]
+    if bad:
+        raise QToolError(f"--compare takes llama.cpp and/or hf, got {', '.join(bad)}")
+    if args.tokens < 2 or args.rounds < 1:
+        raise QToolError("--tokens must be >= 2 and --rounds >= 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    models = args.model or ["default"]
+    systems = {}
+    for spec in models:
+        status(f"loading {spec} into the engine")
+        name = f"engine:{resolve_model(spec).name}"
+        systems[name] = engine_decoder(spec, args.dtype, threads)
+    if "llama.cpp" in peers:
+        gguf = Path(args.gguf) if args.gguf else default_gguf_path()
+        if not gguf.is_file():
+            raise QToolError(f"--gguf {gguf} does not exist: pass a .gguf file")
+        systems["llama.cpp"] = llama_cpp_decoder(gguf, threads)
+    if "hf" in peers:
+        systems["hf"] = hf_decoder(resolve_model(models[0]).path, args.dtype)
+    with bar(total=args.rounds * len(systems), desc="decode rounds", unit="run") as progress:
+        report = run_decode_bench(systems, tokens=args.tokens, rounds=args.rounds,
+                                  baseline="llama.cpp" if "llama.cpp" in systems else None, progress=progress)
+    report = {**provenance(command="bench decode", models=models, compare=peers, threads=threads), **report}
+    print(format_table(report))
+    path = write_json(args.output, report)
+    status(f"wrote {path}")
+    return 0
