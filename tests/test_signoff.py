@@ -100,3 +100,29 @@ def test_report_quality_figures_match_standalone_eval(run_dir, tiny_model_dir, t
     report = json.loads((run_dir / "report.json").read_text())
     for task in ("code", "summarization"):
         assert report["eval"][task]["summary"] == standalone[task]["summary"]
+
+
+def test_report_bench_figures_match_standalone_bench_serve(run_dir, tiny_model_dir, tmp_path):
+    """The report's throughput is bench.json's, and `qtool bench serve` on the same inputs serves the same load."""
+    bench = json.loads((run_dir / "bench.json").read_text())
+    report = json.loads((run_dir / "report.json").read_text())
+    for tier, row in zip(bench["tiers"], report["ablation"]["tiers"], strict=True):
+        assert row["concurrency"] == tier["concurrency"] and row["steps"]
+        for step in row["steps"]:
+            assert step["output_tok_per_s"] == tier["results"][step["system"]]["output_tok_per_s"]
+    out = tmp_path / "bench.json"
+    cfg = bench["config"]
+    code = main(["bench", "serve", "--model", str(tiny_model_dir), "--batching", "static,continuous",
+                 "--concurrency", "1,2", "--num-requests", "2", "--workload", cfg["workload"],
+                 "--mean-output-tokens", str(cfg["mean_output_tokens"]),
+                 "--max-output-tokens", str(cfg["max_output_tokens"]), "--seed", str(cfg["seed"]),
+                 "--output", str(out)])
+    assert code == 0
+    standalone = json.loads(out.read_text())
+    assert standalone["inputs"]["workload_sha256"] == bench["inputs"]["workload_sha256"]  # the same requests
+    for ours, theirs in zip(bench["tiers"], standalone["tiers"], strict=True):
+        for mode in ("static", "continuous"):
+            a, b = ours["results"][f"baseline_{mode}"], theirs["results"][mode]
+            for key in ("num_requests", "completed", "failed", "prompt_tokens", "output_tokens"):
+                assert a[key] == b[key], (mode, key)
+            assert set(a) == set(b)  # the same summary fields, so every figure is comparable one to one
