@@ -236,7 +236,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the scheduled tokens; returns float32 logits [rows, vocab] for batch.logits_rows."""
-        x = F.embedding(batch.input_ids, self.embed_tokens)
+        x = F.embedding(batch.input_ids, self.embed_tokens).to(self.dtype)  # a bf16 table may feed fp32 layers
         cos = self.rope_cos.index_select(0, batch.positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, batch.positions).unsqueeze(1)
         residual = None
