@@ -61,17 +61,17 @@ template <typename T>
 void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const int64_t* table, int64_t last,
             int64_t bs, int64_t Hk, int64_t kh, int64_t D, int64_t G, float scale, T* out, std::vector<float>& buf) {
   const int64_t L = last + 1;
-  buf.resize(G * L + 2 * G * D);
+  buf.resize(G * L + 2 * G * D + G);
   float* s = buf.data();
   float* qf = s + G * L;
   float* acc = qf + G * D;
+  float* inv = acc + G * D;
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(q[g * q_head_stride + d]) * scale;
   for (int64_t p = 0; p < L; ++p) {
     const T* k = kc + ((table[p / bs] * bs + p % bs) * Hk + kh) * D;
     for (int64_t g = 0; g < G; ++g) s[g * L + p] = dot(qf + g * D, k, D);
   }
-  std::vector<float> inv(G);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = s + g * L;
     float mx = -std::numeric_limits<float>::infinity();
@@ -115,12 +115,17 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t* sp = seq.data_ptr<int64_t>();
   const int64_t* lp = last.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
+  int64_t positions = 0;
+  for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(lp[t] >= 0 && lp[t] / bs < B && sp[t] >= 0 && sp[t] < table.size(0), "row ", t, " is out of range");
+    positions += lp[t] + 1;
+  }
+  // a batch-1 decode step is ~100K multiply-adds: cheaper on this thread than a fork/join of the pool
+  const int64_t grain = positions * H * D < (int64_t{1} << 18) ? T * Hk : 1;
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
     AT_DISPATCH_CASE(at::kFloat, [&] {
       using T_ = float;
-      at::parallel_for(0, T * Hk, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, T * Hk, grain, [&](int64_t begin, int64_t end) {
         std::vector<float> buf;
         for (int64_t i = begin; i < end; ++i) {
           const int64_t t = i / Hk, kh = i % Hk;
@@ -132,7 +137,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       using T_ = at::BFloat16;
-      at::parallel_for(0, T * Hk, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, T * Hk, grain, [&](int64_t begin, int64_t end) {
         std::vector<float> buf;
         for (int64_t i = begin; i < end; ++i) {
           const int64_t t = i / Hk, kh = i % Hk;

@@ -132,6 +132,86 @@ inline void int4_row(const uint8_t* w, const float* ws, const int8_t* zp, int64_
   for (int i = 0; i < MB; ++i) out[i * out_stride] = hsum(acc[i]);
 }
 
+// Group 32, NR weight rows at a time: the activation loads of a chunk are shared by the NR rows, and the nibble
+// offset (+8, or +8+zp) is taken out of the chunk loop: sum_b s_b * (-8 - zp_b) * d_b * sum(x_q in b) is one short
+// dot product per row over the K/32 block scales, added at the end. Per 64 weights and activation row that
+// leaves two vpmaddubsw, one add, one vpmaddwd, a convert, a multiply and an FMA (the decode rows of the default
+// model, K = 576, ran 1.2-1.5x faster than int4_row with zero points, about the same without).
+template <bool ASYM>
+inline float int4_offset_term(const float* s, const int8_t* z, const float* dsum, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 minus8 = _mm256_set1_ps(-8.f);
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    __m256 off = minus8;
+    if (ASYM) off = _mm256_sub_ps(minus8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(z + b)))));
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + b), off), _mm256_loadu_ps(dsum + b), acc);
+  }
+  float r = hsum(acc);
+  for (; b < nb; ++b) r += s[b] * (-8.f - (ASYM ? static_cast<float>(z[b]) : 0.f)) * dsum[b];
+  return r;
+}
+
+template <int MB, int NR, bool ASYM>
+inline void int4_g32_rows(const uint8_t* w, const float* ws, const int8_t* zp, int64_t K,
+                          const QuantizedActivations& a, int64_t m0, float* out, int64_t out_stride) {
+  const int64_t nchunk = K / 64, nb = K / 32, w_stride = K / 2;
+  const __m256i low_mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i dup = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  __m256 acc[NR][MB];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();
+  const int8_t* xq[MB];
+  const float* dvec[MB];
+  for (int i = 0; i < MB; ++i) {
+    xq[i] = a.q.data() + (m0 + i) * K;
+    dvec[i] = a.dvec.data() + (m0 + i) * nchunk * 8;
+  }
+  for (int64_t c = 0; c < nchunk; ++c) {
+    __m256i xl[MB], xh[MB];
+    __m256 dv[MB];
+    for (int i = 0; i < MB; ++i) {
+      xl[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + c * 64));
+      xh[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + c * 64 + 32));
+      dv[i] = _mm256_loadu_ps(dvec[i] + c * 8);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * w_stride + c * 32));
+      const __m256i lo = _mm256_and_si256(packed, low_mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask);
+      const __m128 pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(ws + r * nb + 2 * c)));
+      const __m256 wscale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), dup);
+      for (int i = 0; i < MB; ++i) {
+        const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl[i]), _mm256_maddubs_epi16(hi, xh[i]));
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+        acc[r][i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv[i], wscale), acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MB; ++i)
+      out[i * out_stride + r] = hsum(acc[r][i]) + int4_offset_term<ASYM>(
+          ws + r * nb, ASYM ? zp + r * nb : nullptr, a.dsum.data() + (m0 + i) * nb, nb);
+}
+
+template <int MB, int NR>
+inline void int4_g32_any(const uint8_t* w, const float* ws, const int8_t* zp, int64_t K,
+                         const QuantizedActivations& a, int64_t m0, float* out, int64_t out_stride) {
+  if (zp) int4_g32_rows<MB, NR, true>(w, ws, zp, K, a, m0, out, out_stride);
+  else int4_g32_rows<MB, NR, false>(w, ws, zp, K, a, m0, out, out_stride);
+}
+
+template <int NR>
+inline void int4_g32_block(const uint8_t* w, const float* ws, const int8_t* zp, int64_t K, int64_t M,
+                           const QuantizedActivations& a, float* out, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) int4_g32_any<4, NR>(w, ws, zp, K, a, m, out + m * N, N);
+  for (; m + 2 <= M; m += 2) int4_g32_any<2, NR>(w, ws, zp, K, a, m, out + m * N, N);
+  for (; m < M; ++m) int4_g32_any<1, NR>(w, ws, zp, K, a, m, out + m * N, N);
+}
+
 template <int MB>
 inline void int4_row_any(const uint8_t* w, const float* ws, const int8_t* zp, int64_t K, int64_t group,
                          const QuantizedActivations& a, int64_t m0, float* out, int64_t out_stride) {
@@ -172,6 +252,16 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const int8_t* z = (zeros.defined() && zeros.numel()) ? zeros.data_ptr<int8_t>() : nullptr;
   float* out = y.data_ptr<float>();
   const int64_t G = K / group;
+  if (group == 32) {
+    at::parallel_for(0, N, rows_per_task(N, K), [&](int64_t begin, int64_t end) {
+      int64_t n = begin;
+      for (; n + 2 <= end; n += 2)
+        int4_g32_block<2>(w + n * (K / 2), s + n * G, z ? z + n * G : nullptr, K, M, a, out + n, N);
+      for (; n < end; ++n)
+        int4_g32_block<1>(w + n * (K / 2), s + n * G, z ? z + n * G : nullptr, K, M, a, out + n, N);
+    });
+    return y;
+  }
   at::parallel_for(0, N, rows_per_task(N, K), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* wr = w + n * (K / 2);

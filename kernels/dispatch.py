@@ -68,11 +68,6 @@ def _cuda(x2: torch.Tensor, layer) -> torch.Tensor:
 
 
 def quant_linear(x: torch.Tensor, layer) -> torch.Tensor:
-    gemv = getattr(layer, "cpu_gemv", None)  # decode fast path: ~25 us of Python per call saved, 120 calls a step
-    if (gemv is not None and x.dim() == 2 and x.shape[0] <= cpu.INT4_GEMV_MAX_M and x.dtype == torch.float32
-            and not x.is_cuda):
-        y = gemv(x.contiguous(), layer.qweight, layer.scales, layer.zeros, layer.group_size)
-        return y if layer.bias is None else y + layer.bias.to(y.dtype)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     y = _cuda(x2, layer) if x.is_cuda else _cpu(x2, layer)

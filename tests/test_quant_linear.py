@@ -63,6 +63,20 @@ def test_matches_reference(name, m, cpu_path):
         assert _rel(ref, dense) > 10 * _rel(y, ref) or _rel(y, ref) < 1e-5
 
 
+@pytest.mark.parametrize("name", ["w4a16-g32", "w4a16-g32-asym"])
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_group32_kernel_on_model_shapes(name, m):
+    """K = 576 (the default model's hidden size): 18 scale blocks, so the offset term's vector loop has a tail;
+    7 rows: the two-row kernel plus a single-row tail."""
+    if cpu_kernels() is None:
+        pytest.skip("AVX2 extension unavailable here")
+    torch.manual_seed(m)
+    w = torch.randn(7, 576) * 0.05
+    t = quantize_weight(w, SCHEMES[name])
+    x = torch.randn(m, 576)
+    assert _rel(make_linear(t, SCHEMES[name])(x), reference_linear(x, t, SCHEMES[name], None)) < 0.02
+
+
 def test_blocked_prefill_path(monkeypatch):
     """Prefill dequantizes a block of rows at a time; force several blocks on a small layer."""
     monkeypatch.setattr(cpu, "BLOCK_BYTES", 16 * 4 * K)

@@ -154,4 +154,4 @@ def load_model(source: ModelSource, dtype: str = "auto") -> LlamaModel:
     else:
         model.lm_head = factory.make(["lm_head"])
     model.cast_rope()
-    return model.eval()
+    return model.eval().bind_submodules()

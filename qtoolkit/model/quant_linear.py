@@ -53,12 +53,28 @@ class QuantLinear(nn.Module):
         self.register_buffer("zeros", torch.empty(0, dtype=torch.int8) if zeros is None
                              else zeros.to(torch.int8).contiguous())
         self.register_buffer("bias", None if bias is None else bias.contiguous())
-        # the AVX2 INT4 GEMV, called by dispatch without the general path's checks when a decode batch allows
+        self._bind_gemv()
+
+    def _bind_gemv(self) -> None:
+        """The AVX2 INT4 GEMV and its tensor arguments as plain attributes: a decode step makes ~120 of these
+        calls, and the general path (dispatch, buffer lookups through nn.Module.__getattr__) costs ~10 us each."""
         ext = cpu_paths.cpu_kernels()  # looked up through kernels.cpu, where the torch-fallback tests switch it off
-        self.cpu_gemv = (ext.int4_matmul if ext is not None and kind == "int4" and act is None
-                         and int4_fast_ok(in_features, group_size) else None)
+        ok = (ext is not None and self.kind == "int4" and self.act is None and not self.qweight.is_cuda
+              and int4_fast_ok(self.in_features, self.group_size))
+        self.cpu_gemv = ext.int4_matmul if ok else None
+        self._gemv_args = (self.qweight, self.scales, self.zeros, self.group_size)
+
+    def _apply(self, fn, recurse=True):  # .to() / .cuda() replace the buffers: rebind
+        out = super()._apply(fn, recurse)
+        self._bind_gemv()
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gemv = self.cpu_gemv
+        if (gemv is not None and x.dim() == 2 and x.shape[0] <= cpu_paths.INT4_GEMV_MAX_M
+                and x.dtype == torch.float32 and not x.is_cuda):
+            y = gemv(x.contiguous(), *self._gemv_args)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         return dispatch.quant_linear(x, self)
 
     def weight_bytes(self) -> int:

@@ -61,4 +61,4 @@ def quantize_copy(target: LlamaModel, kind: str) -> LlamaModel:
     # the tied head is a fifth of an fp32 step's bytes: quantizing it too is what makes the draft cheap
     draft.lm_head = quantized(target.lm_head, "lm_head")
     draft.cast_rope()
-    return draft.eval()
+    return draft.eval().bind_submodules()
