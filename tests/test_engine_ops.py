@@ -76,6 +76,15 @@ def test_rope_and_cache_matches_torch(dtype):
         ops.rope_and_cache(qkv, cos, sin, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 32]), H, Hk)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_silu_mul_matches_torch(dtype, tol):
+    gate_up = (torch.randn(3, 40, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    gate, up = gate_up.float().split(20, dim=-1)
+    got = ops.silu_mul(gate_up)
+    assert got.shape == (3, 20) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), torch.nn.functional.silu(gate) * up, atol=tol, rtol=tol)
+
+
 def test_add_rms_norm_matches_torch():
     g = torch.Generator().manual_seed(1)
     x, r, w = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g), torch.randn(96, generator=g)

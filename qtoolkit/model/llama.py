@@ -179,7 +179,11 @@ class MLP(nn.Module):
         self.down_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj.forward(x)
+        ops = engine_ops() if not gate_up.is_cuda and gate_up.dim() == 2 else None
+        if ops is not None:
+            return self.down_proj.forward(ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj.forward(F.silu(gate) * up)
 
 
