@@ -45,6 +45,25 @@ def test_rerun_reuses_finished_steps(run_dir, tiny_model_dir, capsys):
     assert after["verdict"] == before["verdict"] and after["gates"] == before["gates"]
 
 
+def test_fresh_rerun_reproduces_verdict_and_quality_figures(run_dir, tiny_model_dir, tmp_path):
+    """A second sign-off from scratch (nothing reused) quantizes to the same checkpoint and measures the same
+    quality figures (greedy decoding, fixed seeds); only the timed figures may move."""
+    out = tmp_path / "again"
+    code = main(["signoff", "--model", str(tiny_model_dir), "--recipe", "int4-rtn", *ARGS, "--output", str(out)])
+    first = json.loads((run_dir / "report.json").read_text())
+    again = json.loads((out / "report.json").read_text())
+    assert not any(s.get("skipped") for s in again["steps"].values())
+    assert code == (0 if again["verdict"] == "PASS" else 1)
+    assert again["quantize"]["totals"] == first["quantize"]["totals"]
+    for task in ("code", "summarization"):
+        assert again["eval"][task]["summary"] == first["eval"][task]["summary"]
+    timed = {"throughput.min_speedup"}
+    untimed = {g["name"]: g for g in first["gates"] if g["name"] not in timed}
+    assert untimed == {g["name"]: g for g in again["gates"] if g["name"] not in timed}
+    if not all(g["passed"] for g in untimed.values()):  # decided by quality alone: the verdict cannot move
+        assert again["verdict"] == first["verdict"] == "FAIL"
+
+
 def test_failing_policy_gate_gives_fail_and_names_it(run_dir, tiny_model_dir, tmp_path, capsys):
     strict = tmp_path / "strict.yaml"
     strict.write_text("version: 1\nname: strict\ntasks:\n  code:\n    kld_mean: {max: 0.0}\n")

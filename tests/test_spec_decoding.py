@@ -122,6 +122,8 @@ def test_policy_picks_k_from_acceptance_and_draft_cost():
     for _ in range(seq.spec_cooldown - 1):
         policy.plan([(seq, 8)], step_tokens=1)
     assert policy.plan([(seq, 8)], step_tokens=1) == [1]  # ... then probed again with one token
+    assert policy.plan([(seq, 8)], step_tokens=1) == [0]  # the probe did not change the costs:
+    assert seq.spec_cooldown == 2 * policy.cooldown_steps  # the next wait is twice as long
     busy = SpeculationPolicy(4)  # a compute-bound CPU: 5 tokens cost 3.5x a 1-token step
     busy.observe_plain(1, 0.1)
     for _ in range(30):
@@ -167,3 +169,18 @@ def test_draft_with_a_different_vocabulary_is_refused(sharp_dir, tmp_path):
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "small-vocab", safe_serialization=True)
     with pytest.raises(SpeculativeConfigError, match="vocabulary of 1000 tokens"):
         make(sharp_dir, speculative=f"draft:{tmp_path / 'small-vocab'}")
+
+
+def test_model_draft_skips_long_context_before_a_short_answer(sharp_dir, reference):
+    """A draft model would first have to prefill the whole prompt: for a long prompt and few tokens left that
+    costs more than drafting can save, so the engine decodes plainly (prompt lookup has no such cost)."""
+    long_prompt = " ".join(["the rain fell on the plain"] * 40)  # > 128 tokens
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    draft = make(sharp_dir, speculative=f"draft:{sharp_dir}", num_speculative_tokens=4)
+    out = draft.generate([long_prompt], params, use_tqdm=False)[0]
+    assert out.num_draft_tokens == 0 and len(out.token_ids) == 8
+    assert draft.generate(["def add(a, b):"], params, use_tqdm=False)[0].num_draft_tokens > 0  # short: drafts
+    from qtoolkit.engine.sequence import Sequence
+    from qtoolkit.engine.speculative.ngram import NgramProposer
+
+    assert NgramProposer().catch_up_tokens(Sequence("s", list(range(500)), params)) == 0

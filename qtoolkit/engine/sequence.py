@@ -46,6 +46,7 @@ class Sequence:
         self.spec_k: int | None = None  # the lookahead the policy last chose
         self.spec_acceptance = 0.8  # moving estimate of the per-draft-token acceptance probability
         self.spec_cooldown = 0  # steps left without proposals after acceptance collapsed
+        self.spec_failed_probes = 0  # probes in a row that found speculation not paying (doubles the cooldown)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_spec_steps = 0

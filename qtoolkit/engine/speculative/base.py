@@ -36,3 +36,7 @@ class Proposer(Protocol):
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was aborted: drop any state (draft KV) kept for it."""
         ...
+
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        """Tokens the proposer must process before it can draft for `seq` (a draft model's prefill); 0 if none."""
+        ...

@@ -122,3 +122,8 @@ class DraftModelProposer:
 
     def release(self, seq: Sequence) -> None:
         self.release_id(seq.request_id)
+
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        shadow = self.shadows.get(seq.request_id)
+        done = 0 if shadow is None else min(shadow.num_computed_tokens, common_prefix(shadow.token_ids, seq.token_ids))
+        return max(0, len(seq) - 1 - done)

@@ -62,8 +62,12 @@ class SpeculationPolicy:
             return 1 if seq.spec_cooldown == 0 else 0  # the probe
         k, gain = self.best_k(seq.spec_acceptance)
         if gain < self.min_gain:
-            seq.spec_cooldown = self.cooldown_steps
+            # each failed probe doubles the wait (16, 32, ... 1024 steps): a probe of a model draft costs a
+            # catch-up forward, and a sequence where drafting does not pay should not keep paying for probes
+            seq.spec_cooldown = min(self.cooldown_steps << seq.spec_failed_probes, 1024)
+            seq.spec_failed_probes += 1
             return 0
+        seq.spec_failed_probes = 0
         seq.spec_k = k
         return k
 
