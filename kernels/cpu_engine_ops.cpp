@@ -93,6 +93,26 @@ void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const i
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(acc[g * D + d] * inv[g]);
 }
 
+// Every (row, KV head) pair is one task: its G query heads against the row's visible positions.
+template <typename T>
+void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                 const int64_t* table, const int64_t* row_seq, const int64_t* row_last, int64_t B, int64_t G,
+                 double scale, int64_t grain, torch::Tensor& out) {
+  const int64_t Hk = k_cache.size(2), D = q.size(2), H = q.size(1), bs = k_cache.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, q.size(0) * Hk, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / Hk, kh = i % Hk;
+      attend<T>(qp + t * q.stride(0) + kh * G * D, D, kc, vc, table + row_seq[t] * B, row_last[t], bs, Hk, kh, D,
+                G, static_cast<float>(scale), op + t * H * D + kh * G * D, buf);
+    }
+  });
+}
+
 }  // namespace
 
 // q [T, H, D] (any row stride, heads contiguous), caches [num_blocks, block_size, Hk, D], block_table [S, B]
@@ -124,30 +144,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   // a batch-1 decode step is ~100K multiply-adds: cheaper on this thread than a fork/join of the pool
   const int64_t grain = positions * H * D < (int64_t{1} << 18) ? T * Hk : 1;
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      using T_ = float;
-      at::parallel_for(0, T * Hk, grain, [&](int64_t begin, int64_t end) {
-        std::vector<float> buf;
-        for (int64_t i = begin; i < end; ++i) {
-          const int64_t t = i / Hk, kh = i % Hk;
-          attend<T_>(q.data_ptr<T_>() + t * q.stride(0) + kh * G * D, D, k_cache.data_ptr<T_>(),
-                     v_cache.data_ptr<T_>(), tp + sp[t] * B, lp[t], bs, Hk, kh, D, G, static_cast<float>(scale),
-                     out.data_ptr<T_>() + t * H * D + kh * G * D, buf);
-        }
-      });
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      using T_ = at::BFloat16;
-      at::parallel_for(0, T * Hk, grain, [&](int64_t begin, int64_t end) {
-        std::vector<float> buf;
-        for (int64_t i = begin; i < end; ++i) {
-          const int64_t t = i / Hk, kh = i % Hk;
-          attend<T_>(q.data_ptr<T_>() + t * q.stride(0) + kh * G * D, D, k_cache.data_ptr<T_>(),
-                     v_cache.data_ptr<T_>(), tp + sp[t] * B, lp[t], bs, Hk, kh, D, G, static_cast<float>(scale),
-                     out.data_ptr<T_>() + t * H * D + kh * G * D, buf);
-        }
-      });
-    }));
+    AT_DISPATCH_CASE(at::kFloat, [&] { attend_rows<float>(q, k_cache, v_cache, tp, sp, lp, B, G, scale, grain, out); })
+    AT_DISPATCH_CASE(at::kBFloat16,
+                     [&] { attend_rows<at::BFloat16>(q, k_cache, v_cache, tp, sp, lp, B, G, scale, grain, out); }));
   return out;
 }
 
