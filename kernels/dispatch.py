@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu
+from .cpu_build import engine_ops
 from .reference import quantize_activations
 
 
@@ -31,7 +32,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _fake_quant_tokens(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token quantize-dequantize in torch: the reference semantics of dynamic activation schemes."""
+    """Per-token quantize-dequantize: the reference semantics of dynamic activation schemes (one AVX2-build op
+    on CPU, bit-identical to the torch ops it replaces)."""
+    ops = engine_ops() if not x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 else None
+    if ops is not None:
+        return ops.fake_quant_tokens(x, kind == "float")
     q, scale = quantize_activations(x, kind)
     return q.float() * scale
 

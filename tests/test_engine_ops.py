@@ -85,6 +85,17 @@ def test_silu_mul_matches_torch(dtype, tol):
     torch.testing.assert_close(got.float(), torch.nn.functional.silu(gate) * up, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("kind", ["float", "int"])
+def test_fake_quant_tokens_is_bit_identical_to_the_reference(kind):
+    from qtoolkit.kernels.reference import quantize_activations
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 96, generator=g) * torch.logspace(-3, 3, 6).unsqueeze(1)  # tiny to large rows
+    x[2] = 0.0  # the eps floor of the scale
+    q, scale = quantize_activations(x, kind)
+    assert torch.equal(ops.fake_quant_tokens(x, kind == "float"), q.float() * scale)
+
+
 def test_add_rms_norm_matches_torch():
     g = torch.Generator().manual_seed(1)
     x, r, w = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g), torch.randn(96, generator=g)

@@ -25,7 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", help="evaluate the candidate through this OpenAI-compatible endpoint")
     p.add_argument("--concurrency", type=_ints, default=[1, 8], help="bench tiers, e.g. 1,8,32")
     p.add_argument("--num-requests", type=int, help="requests per bench tier (default: two waves of the tier)")
-    p.add_argument("--speculative", help="add a speculative-decoding layer to the ablation (ngram, self-int4, ...)")
+    p.add_argument("--speculative", default="ngram",
+                   help="proposer of the ablation's speculative-decoding layer (ngram, self-int4, draft:PATH, ...; "
+                        "default ngram; none leaves the layer out)")
     p.add_argument("--output", required=True, help="report folder (reruns reuse finished steps)")
 
 
@@ -34,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
 
     report = signoff(SignoffConfig(model=args.model, recipe=args.recipe, output=args.output, policy=args.policy,
                                    limit=args.limit, endpoint=args.endpoint, concurrency=args.concurrency,
-                                   num_requests=args.num_requests, speculative=args.speculative))
+                                   num_requests=args.num_requests,
+                                   speculative=None if args.speculative.lower() == "none" else args.speculative))
     print(f"verdict: {report['verdict']}")
     for reason in report["reasons"]:
         print(f"  - {reason}")
