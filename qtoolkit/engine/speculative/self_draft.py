@@ -14,7 +14,7 @@ from ...model.llama import LlamaModel
 from .base import SpeculativeConfigError
 
 # Group 32 with zero points lines up with the default model's Q4_1 blocks (scale + min per 32 weights): measured
-# on 4 mixed prompts at batch 1, 34 of 36 drafts accepted vs 6 of 12 for symmetric group 32 (MEASUREMENTS.md:
+# on 4 mixed prompts at batch 1, 33 of 36 drafts accepted vs 6 of 12 for symmetric group 32 (MEASUREMENTS.md:
 # group 64 diverges within tokens).
 INT4_SCHEME = {"format": "pack-quantized",
                "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}}
