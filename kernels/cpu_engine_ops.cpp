@@ -357,6 +357,21 @@ torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor
   return q;
 }
 
+namespace {
+
+template <typename T>
+void silu_mul_impl(const T* in, int64_t rows, int64_t I, T* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = to_f(in[t * 2 * I + i]);
+        out[t * I + i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_f(in[t * 2 * I + I + i]));
+      }
+  });
+}
+
+}  // namespace
+
 // gate_up [T, 2I] (gate | up) -> silu(gate) * up [T, I] (split, silu and mul in one pass, no temporaries).
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [T, 2 * intermediate]");
@@ -364,29 +379,9 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
   auto out = torch::empty({T, I}, gu.options());
   AT_DISPATCH_SWITCH(gu.scalar_type(), "silu_mul",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      const float* in = gu.data_ptr<float>();
-      float* o = out.data_ptr<float>();
-      at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t)
-          for (int64_t i = 0; i < I; ++i) {
-            const float g = in[t * 2 * I + i];
-            o[t * I + i] = g / (1.f + std::exp(-g)) * in[t * 2 * I + I + i];
-          }
-      });
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      using B = at::BFloat16;
-      const B* in = gu.data_ptr<B>();
-      B* o = out.data_ptr<B>();
-      at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t)
-          for (int64_t i = 0; i < I; ++i) {
-            const float g = static_cast<float>(in[t * 2 * I + i]);
-            o[t * I + i] = static_cast<B>(g / (1.f + std::exp(-g)) * static_cast<float>(in[t * 2 * I + I + i]));
-          }
-      });
-    }));
+    AT_DISPATCH_CASE(at::kFloat, [&] { silu_mul_impl(gu.data_ptr<float>(), T, I, out.data_ptr<float>()); })
+    AT_DISPATCH_CASE(at::kBFloat16,
+                     [&] { silu_mul_impl(gu.data_ptr<at::BFloat16>(), T, I, out.data_ptr<at::BFloat16>()); }));
   return out;
 }
 

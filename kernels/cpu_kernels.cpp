@@ -84,14 +84,13 @@ inline float hsum(__m256 v) {
 // MB activation rows against one weight row. ws/zp: this row's group scales and (optional) zero points.
 // Per 64 weights: one load, three ops to split nibbles, then per activation row two vpmaddubsw, one vpmaddwd and
 // three float ops. The +8 (or +8+zp) nibble offset is applied as -offset * block_scale * sum(x_q), folded into
-// the same FMA chain. GROUP32 picks two scales per chunk; otherwise one scale covers group/64 chunks.
-template <int MB, bool GROUP32, bool ASYM>
+// the same FMA chain. Groups of 64 or more: one scale covers group/64 chunks (group 32 takes int4_g32_rows).
+template <int MB, bool ASYM>
 inline void int4_row(const uint8_t* w, const float* ws, const int8_t* zp, int64_t K, int64_t group,
                      const QuantizedActivations& a, int64_t m0, float* out, int64_t out_stride) {
-  const int64_t nchunk = K / 64, chunks_per_group = GROUP32 ? 1 : group / 64;
+  const int64_t nchunk = K / 64, chunks_per_group = group / 64;
   const __m256i low_mask = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i dup = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   __m256 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
   const float* dvec[MB];
@@ -104,12 +103,7 @@ inline void int4_row(const uint8_t* w, const float* ws, const int8_t* zp, int64_
   }
   __m256 wscale = _mm256_setzero_ps(), neg_off = _mm256_set1_ps(-8.f);
   for (int64_t c = 0, left = 0, g = 0; c < nchunk; ++c, --left) {
-    if (GROUP32) {  // scales of blocks 2c and 2c+1, each over 4 lanes
-      const __m128 pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(ws + 2 * c)));
-      wscale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), dup);
-      if (ASYM) neg_off = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(
-          -8.f - zp[2 * c], -8.f - zp[2 * c + 1], 0.f, 0.f)), dup);
-    } else if (left == 0) {  // next group: one scale for the next group/64 chunks
+    if (left == 0) {  // next group: one scale for the next group/64 chunks
       wscale = _mm256_set1_ps(ws[g]);
       if (ASYM) neg_off = _mm256_set1_ps(-8.f - zp[g]);
       left = chunks_per_group;
@@ -217,13 +211,8 @@ inline void int4_g32_block(const uint8_t* w, const float* ws, const int8_t* zp, 
 template <int MB>
 inline void int4_row_any(const uint8_t* w, const float* ws, const int8_t* zp, int64_t K, int64_t group,
                          const QuantizedActivations& a, int64_t m0, float* out, int64_t out_stride) {
-  if (group == 32) {
-    if (zp) int4_row<MB, true, true>(w, ws, zp, K, group, a, m0, out, out_stride);
-    else int4_row<MB, true, false>(w, ws, zp, K, group, a, m0, out, out_stride);
-  } else {
-    if (zp) int4_row<MB, false, true>(w, ws, zp, K, group, a, m0, out, out_stride);
-    else int4_row<MB, false, false>(w, ws, zp, K, group, a, m0, out, out_stride);
-  }
+  if (zp) int4_row<MB, true>(w, ws, zp, K, group, a, m0, out, out_stride);
+  else int4_row<MB, false>(w, ws, zp, K, group, a, m0, out, out_stride);
 }
 
 void check_int4_args(const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& zeros,

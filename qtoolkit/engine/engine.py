@@ -244,6 +244,7 @@ class Engine:
             while k > 0 and not self.block_manager.can_grow(seq, len(seq) + k):
                 k -= 1  # speculation never preempts anyone: it only uses free blocks
             if k > 0:
+                self.block_manager.grow(seq, len(seq) + k)  # reserved now, so the next sequence sees the rest
                 batch.append((i, k))
         if not batch:
             self.spec_metrics.steps_without_speculation += 1
@@ -255,16 +256,11 @@ class Engine:
         proposals = {}
         for (i, k), proposal in zip(batch, drafted, strict=True):
             seq = work[i][0]
-            # the per-sequence check above saw the free blocks before any of this step's drafts took some
-            while k > 0 and not self.block_manager.can_grow(seq, len(seq) + k):
-                k -= 1
             proposal.tokens = proposal.tokens[:k]
-            if proposal.draft_probs is not None:
-                proposal.draft_probs = proposal.draft_probs[:k]
+            seq.token_ids.extend(proposal.tokens)
+            self.block_manager.shrink(seq, len(seq))  # hand back the reserve a shorter proposal did not use
             if not proposal.tokens:
                 continue
-            seq.token_ids.extend(proposal.tokens)
-            self.block_manager.grow(seq, len(seq))
             work[i] = (seq, 1 + len(proposal.tokens))
             num_logits[i] = 1 + len(proposal.tokens)
             proposals[i] = proposal

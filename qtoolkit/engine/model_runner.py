@@ -33,15 +33,20 @@ class ModelRunner:
         # decode and verify rows attend in place over the paged cache when the CPU ops are built
         self.paged_attention = self.kv_cache.device.type == "cpu" and engine_ops() is not None
 
+    def _block_table(self, seqs: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """[S, max_blocks] int64: the blocks each sequence's attention reads, padded with block 0."""
+        bs = self.block_size
+        counts = [-(-(s.num_computed_tokens + n) // bs) for s, n in seqs]
+        table = torch.zeros(len(seqs), max(counts), dtype=torch.long)
+        for i, ((s, _), nb) in enumerate(zip(seqs, counts, strict=True)):
+            table[i, :nb] = torch.tensor(s.block_table[:nb])
+        return table
+
     def _paged_group(self, seqs: list[tuple[Sequence, int]], first_row: int) -> AttentionGroup:
         """Short queries for engine_ops.paged_attention: rows stay flat, each knows its sequence and horizon."""
-        bs = self.block_size
-        max_blocks = max(-(-(s.num_computed_tokens + n) // bs) for s, n in seqs)
-        table = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+        table = self._block_table(seqs)
         row_seq, row_last = [], []
         for i, (s, n) in enumerate(seqs):
-            nb = -(-(s.num_computed_tokens + n) // bs)
-            table[i, :nb] = torch.tensor(s.block_table[:nb])
             row_seq += [i] * n
             row_last += range(s.num_computed_tokens, s.num_computed_tokens + n)
         return AttentionGroup(rows=slice(first_row, first_row + len(row_seq)), num_seqs=len(seqs),
@@ -52,12 +57,10 @@ class ModelRunner:
         bs, G = self.block_size, self.group
         lens = [n for _, n in seqs]
         S, Q = len(seqs), max(lens)
-        max_blocks = max(-(-(s.num_computed_tokens + n) // bs) for s, n in seqs)
-        table = torch.zeros(S, max_blocks, dtype=torch.long)
+        table = self._block_table(seqs)
+        max_blocks = table.shape[1]
         last_pos = torch.zeros(S, Q, dtype=torch.long)  # the newest position each query row may see
         for i, (s, n) in enumerate(seqs):
-            nb = -(-(s.num_computed_tokens + n) // bs)
-            table[i, :nb] = torch.tensor(s.block_table[:nb])
             last_pos[i, :n] = torch.arange(s.num_computed_tokens, s.num_computed_tokens + n)
         mask = torch.arange(max_blocks * bs)[None, None, :] <= last_pos[:, :, None]  # pad rows see slot 0 only
         group = AttentionGroup(rows=slice(first_row, first_row + sum(lens)), num_seqs=S, q_len=Q,

@@ -128,15 +128,13 @@ def load_model(source: ModelSource, dtype: str = "auto") -> LlamaModel:
     factory = LinearFactory(tensors, source.quantization_config, torch_dtype)
     model = LlamaModel(config, torch_dtype)
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str, dense: bool = False) -> torch.Tensor:
         if name not in tensors:
             raise ModelSourceError(f"checkpoint is missing {name}: the folder is incomplete or not a LLaMA-family "
                                    "model")
-        return tensors[name].to(torch_dtype)
+        return dense_weight(tensors[name], torch_dtype) if dense else tensors[name].to(torch_dtype)
 
-    embed = tensors.get("model.embed_tokens.weight")
-    model.embed_tokens = nn.Parameter(take("model.embed_tokens.weight") if embed is None else
-                                      dense_weight(embed, torch_dtype), requires_grad=False)
+    model.embed_tokens = nn.Parameter(take("model.embed_tokens.weight", dense=True), requires_grad=False)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         layer.input_norm.weight = nn.Parameter(take(p + "input_layernorm.weight"), requires_grad=False)
