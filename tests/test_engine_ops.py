@@ -86,12 +86,16 @@ def test_silu_mul_matches_torch(dtype, tol):
 
 
 @pytest.mark.parametrize("kind", ["float", "int"])
-def test_fake_quant_tokens_is_bit_identical_to_the_reference(kind):
+@pytest.mark.parametrize("width", [96, 101])  # the vector body alone, and with a scalar tail
+def test_fake_quant_tokens_is_bit_identical_to_the_reference(kind, width):
     from qtoolkit.kernels.reference import quantize_activations
 
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(6, 96, generator=g) * torch.logspace(-3, 3, 6).unsqueeze(1)  # tiny to large rows
+    x = torch.randn(7, width, generator=g) * torch.logspace(-3, 3, 7).unsqueeze(1)  # tiny to large rows
     x[2] = 0.0  # the eps floor of the scale
+    # a heavy-tailed row: most of it lands in E4M3's subnormal range, next to exact ties and signed zeros
+    x[5] = torch.randn(width, generator=g) ** 5 * 0.01
+    x[5, :4] = torch.tensor([-0.0, 1.0, 1.0625, -1.1875])
     q, scale = quantize_activations(x, kind)
     assert torch.equal(ops.fake_quant_tokens(x, kind == "float"), q.float() * scale)
 

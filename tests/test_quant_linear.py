@@ -45,7 +45,7 @@ def cpu_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))
-@pytest.mark.parametrize("m", [1, 3, 16, 33])
+@pytest.mark.parametrize("m", [1, 3, 13, 24, 33])  # the kernels' 8/4/2/1-row tails; the blocked path
 def test_matches_reference(name, m, cpu_path):
     w, t, b, lin = _layer(name, bias=m % 2 == 1)
     x = torch.randn(m, K)
