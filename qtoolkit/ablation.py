@@ -15,6 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from qtoolkit.evals.stats import ratio_over_rounds
+
 from .progress import status
 from .provenance import provenance, text_sha256
 
@@ -47,11 +49,37 @@ def speculative_systems(speculative: str | None) -> list[tuple[str, str, str, li
             ("candidate_continuous_spec", "candidate", "continuous", args)]
 
 
+def full_stack_system(systems: list[str]) -> str:
+    """The system the total speedup is read from: quantization on top of every other layer offered."""
+    return "candidate_continuous_spec" if "candidate_continuous_spec" in systems else "candidate_continuous"
+
+
+def fresh_requests(workload: str, n: int, used: list[Any], *, seed: int, mean_output_tokens: int,
+                   max_output_tokens: int) -> list[Any]:
+    """n requests whose prompts none of `used` had: a repeated prompt would be served from the prefix cache."""
+    from .workloads import build_workload
+
+    seen = {r.prompt for r in used}
+    pool = build_workload(workload, 4 * n + len(used), seed=seed, mean_output_tokens=mean_output_tokens,
+                          max_output_tokens=max_output_tokens)
+    fresh = []
+    for r in pool:
+        if r.prompt not in seen and len(fresh) < n:
+            seen.add(r.prompt)
+            fresh.append(r)
+    return fresh if len(fresh) == n else pool[:n]  # a tiny prompt pool: repeats are unavoidable
+
+
 def bench_ablation(baseline: str | Path, candidate: str | Path, *, concurrency: list[int],
                    num_requests: int | None = None, mean_output_tokens: int = 48, max_output_tokens: int = 96,
                    workload: str = "mixed", speculative: str | None = None, seed: int = 0,
-                   kv_cache_memory: str = "1GiB") -> dict[str, Any]:
-    """Every system on the same requests, tier by tier, alternating the order between tiers."""
+                   kv_cache_memory: str = "1GiB", rounds: int = 1,
+                   repeat: tuple[str, ...] = ("baseline_static", "full_stack")) -> dict[str, Any]:
+    """Every system on the same requests, tier by tier, alternating the order between tiers.
+
+    With rounds > 1 the systems in `repeat` ("full_stack" names the top of the stack) serve the top tier again,
+    rounds - 1 more times, each round on fresh requests and in alternating order: the throughput gates read the
+    spread of the per-round ratios, i.e. how much a rerun could move them."""
     from .bench import requests_per_tier, run_load, served_models, summarize
     from .server.process import server_process
     from .workloads import build_workload
@@ -84,11 +112,28 @@ def bench_ablation(baseline: str | Path, candidate: str | Path, *, concurrency: 
                 res, duration = asyncio.run(run_load(url, served, reqs, concurrency=c, seed=seed + t))
                 results[name] = summarize(res, duration)
             tiers.append({"concurrency": c, "num_requests": n, "results": {k: results[k] for k in urls}})
+        names, round_requests = list(urls), []
+        again = [full_stack_system(names) if x == "full_stack" else x for x in repeat]
+        again = [x for x in names if x in again]
+        if rounds > 1 and again:
+            top, c, n = tiers[-1], concurrency[-1], sizes[-1]
+            top["rounds"] = {x: [top["results"][x]["output_tok_per_s"]] for x in again}
+            for r in range(1, rounds):
+                reqs = fresh_requests(workload, n, requests + round_requests, seed=seed + 100 + r,
+                                      mean_output_tokens=mean_output_tokens, max_output_tokens=max_output_tokens)
+                round_requests += reqs
+                for name in (again if r % 2 == 0 else list(reversed(again))):
+                    status(f"concurrency {c}, round {r + 1}/{rounds}: {n} requests against {name}")
+                    url, served = urls[name]
+                    res, duration = asyncio.run(run_load(url, served, reqs, concurrency=c, seed=seed + r))
+                    top["rounds"][name].append(summarize(res, duration)["output_tok_per_s"])
     workload_hash = text_sha256(json.dumps([[r.prompt, r.max_tokens] for r in requests]))
-    return {**provenance(baseline=models["baseline"], candidate=models["candidate"], workload_sha256=workload_hash),
+    rounds_hash = text_sha256(json.dumps([[r.prompt, r.max_tokens] for r in round_requests]))
+    return {**provenance(baseline=models["baseline"], candidate=models["candidate"], workload_sha256=workload_hash,
+                         rounds_workload_sha256=rounds_hash),
             "config": {"concurrency": concurrency, "workload": workload, "speculative": speculative,
                        "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens,
-                       "seed": seed, "systems": [s[0] for s in systems]},
+                       "seed": seed, "systems": [s[0] for s in systems], "rounds": rounds},
             "tiers": tiers}
 
 
@@ -121,5 +166,9 @@ def ablation_table(bench: dict[str, Any]) -> dict[str, Any]:
         if total and alone:
             # 1: the layers compound; < 1: they overlap (one layer's gain was already taken by another)
             row["stacking_efficiency"] = total / math.prod(alone.values())
+        rounds = tier.get("rounds") or {}
+        for key, name in (("total_speedup", full_stack_system(list(res))), ("quantization_speedup", "candidate_static")):
+            if "baseline_static" in rounds and name in rounds:
+                row[f"{key}_rounds"] = ratio_over_rounds(rounds[name], rounds["baseline_static"])
         out_tiers.append(row)
     return {"tiers": out_tiers, "systems": bench["config"]["systems"]}

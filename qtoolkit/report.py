@@ -183,6 +183,13 @@ def markdown(report: dict[str, Any]) -> str:
             lines += [f"| {s['label']} | {s['output_tok_per_s']:.1f} | {_fmt(s['marginal_gain'], 3)} |"
                       for s in tier["steps"]]
             lines.append("")
+            for key, what in (("total_speedup", "full stack"), ("quantization_speedup", "quantization alone")):
+                r = tier.get(f"{key}_rounds")
+                if r:
+                    ci = f"95% CI [{_fmt(r['ci95'][0], 3)}, {_fmt(r['ci95'][1], 3)}]" if r.get("ci95") else "no CI"
+                    per = ", ".join(f"{v:.3f}" for v in r["per_round"])
+                    lines += [f"Repeated rounds, {what} over the baseline: {_fmt(r['ratio'], 3)}x, {ci} over "
+                              f"{r['rounds']} rounds of fresh requests (per round: {per}).", ""]
     if report.get("eval"):
         lines += ["## Quality per task (candidate vs baseline, paired 95% CI)", ""]
         for task, e in report["eval"].items():

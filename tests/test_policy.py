@@ -56,3 +56,54 @@ def test_identical_models_pass_quality_gates():
     gates = {g.name: g for g in evaluate_gates(policy, evals, None, None)}
     assert all(gates[f"code.{m}"].passed for m in ("kld_mean", "nll_delta", "pass_at_1_drop"))
     assert not gates["throughput.min_speedup"].passed  # no bench results: never a silent PASS
+
+
+def _bench_tier(base: float, full: float, rounds: dict[str, list[float]] | None) -> dict:
+    res = {"completed": 16, "failed": 0}
+    results = {"baseline_static": {**res, "output_tok_per_s": base},
+               "baseline_continuous": {**res, "output_tok_per_s": base * 1.1},
+               "candidate_static": {**res, "output_tok_per_s": base},
+               "candidate_continuous": {**res, "output_tok_per_s": full}}
+    tier = {"concurrency": 8, "num_requests": 16, "results": results}
+    return {"tiers": [tier | ({"rounds": rounds} if rounds else {})],
+            "config": {"systems": list(results)}}
+
+
+def test_ratio_over_rounds_is_a_t_interval_on_log_ratios():
+    from qtoolkit.evals.stats import ratio_over_rounds
+
+    r = ratio_over_rounds([12.0, 13.0, 12.5], [10.0, 10.0, 10.0])
+    assert r["ratio"] == pytest.approx((1.2 * 1.3 * 1.25) ** (1 / 3))
+    assert r["ci95"][0] < 1.2 and r["ci95"][1] > 1.3 and r["rounds"] == 3  # t(2) = 4.3: wider than the spread
+    assert ratio_over_rounds([12.0], [10.0])["ci95"] is None
+    with pytest.raises(ValueError):
+        ratio_over_rounds([1.0, 2.0], [1.0])
+
+
+@pytest.mark.parametrize("rounds, passed", [
+    (None, True),  # one round: judged on its point, 1.2x
+    ({"baseline_static": [10.0, 10.0, 10.0], "candidate_continuous": [12.0, 12.4, 11.8]}, True),
+    # the same first round, then rounds that spread from 0.9x to 1.5x: the lower bound is below 1.0
+    ({"baseline_static": [10.0, 10.0, 10.0], "candidate_continuous": [12.0, 9.0, 15.0]}, False),
+])
+def test_throughput_gate_judges_the_lower_bound_over_rounds(rounds, passed):
+    from qtoolkit.ablation import ablation_table
+
+    ab = ablation_table(_bench_tier(10.0, 12.0, rounds))
+    policy = load_policy("default")
+    gate = {g.name: g for g in evaluate_gates(policy, None, ab, None)}["throughput.min_speedup"]
+    assert gate.passed is passed
+    if rounds:
+        assert gate.judged < gate.point and "lower 95% bound over 3 rounds" in gate.detail
+    else:
+        assert gate.judged == gate.point == pytest.approx(1.2)
+
+
+def test_extra_rounds_get_prompts_no_earlier_request_had():
+    from qtoolkit.ablation import fresh_requests
+    from qtoolkit.workloads import build_workload
+
+    used = build_workload("mixed", 20, seed=0, mean_output_tokens=8, max_output_tokens=16)
+    fresh = fresh_requests("mixed", 16, used, seed=101, mean_output_tokens=8, max_output_tokens=16)
+    assert len(fresh) == 16 and not {r.prompt for r in fresh} & {r.prompt for r in used}
+    assert len({r.prompt for r in fresh}) == 16
