@@ -97,7 +97,8 @@ def _scratch_buffer(numel: int) -> torch.Tensor:
     block of every layer made the kernel pay page faults (~40% of the FP8 prefill matmul time)."""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < numel:
-        buf = _scratch.buf = torch.empty(numel, dtype=torch.float32)
+        with torch.inference_mode(False):  # a normal tensor: writable both inside and outside inference mode
+            buf = _scratch.buf = torch.empty(numel, dtype=torch.float32)
     return buf
 
 

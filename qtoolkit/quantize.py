@@ -89,17 +89,21 @@ def _build_modifier(r: Recipe):
             d["scale_dtype"] = getattr(torch, d["scale_dtype"])
         return QuantizationArgs(**d)
 
-    scheme = QuantizationScheme(targets=q.targets, weights=args(resolved["weights"]),
-                                input_activations=args(resolved["input_activations"]))
+    groups = {"group_0": QuantizationScheme(targets=q.targets, weights=args(resolved["weights"]),
+                                            input_activations=args(resolved["input_activations"]))}
+    head = r.resolved_head()
+    if head:  # an exact module name outranks a class target in compressed-tensors' matching
+        groups["group_head"] = QuantizationScheme(targets=["lm_head"], weights=args(head["weights"]),
+                                                  input_activations=args(head["input_activations"]))
     if q.modifier == "GPTQModifier":
         from llmcompressor.modifiers.quantization import GPTQModifier
 
         extra = {k: v for k, v in {"dampening_frac": q.dampening_frac, "block_size": q.block_size}.items()
                  if v is not None}
-        return GPTQModifier(config_groups={"group_0": scheme}, ignore=q.ignore, **extra)
+        return GPTQModifier(config_groups=groups, ignore=q.body_ignore(), **extra)
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    return QuantizationModifier(config_groups={"group_0": scheme}, ignore=q.ignore)
+    return QuantizationModifier(config_groups=groups, ignore=q.body_ignore())
 
 
 def _cast_scales(model, r: Recipe) -> None:
@@ -202,6 +206,8 @@ def quantize(model: str | os.PathLike = "default", recipe: str | os.PathLike = "
     else:
         shapes = _targeted_linears(mdl, r)
     check_against_model(r, shapes)
+    if r.quantization.head is not None:  # its own group: counted in the byte table, not the group-size check
+        shapes["lm_head"] = (mdl.lm_head.out_features, mdl.lm_head.in_features)
 
     t = time.perf_counter()
     if r.method != "bnb":
@@ -253,7 +259,7 @@ def quantize(model: str | os.PathLike = "default", recipe: str | os.PathLike = "
             **provenance(model=src.describe(), recipe={"name": r.name, "path": r.source, "sha256": r.sha256}),
             "recipe": {"name": r.name, "sha256": r.sha256, "description": r.description, "method": r.method,
                        "modifier": r.quantization.modifier, "scheme": r.quantization.scheme,
-                       "resolved": r.resolved_scheme(), "targets": r.quantization.targets,
+                       "resolved": r.resolved_scheme(), "head": r.resolved_head(), "targets": r.quantization.targets,
                        "ignore": r.quantization.ignore,
                        "calibration": r.calibration.model_dump() if r.calibration else None},
             "model": src.describe(),

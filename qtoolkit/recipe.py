@@ -50,6 +50,30 @@ class BnbOptions(_Strict):
     double_quant: bool = True
 
 
+def _preset(v: str | None) -> str | None:
+    if v is None:
+        return v
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    if v.upper() not in PRESET_SCHEMES:
+        raise ValueError(f"unknown scheme {v!r}; use one of {', '.join(sorted(PRESET_SCHEMES))}")
+    return v.upper()
+
+
+class HeadSection(_Strict):
+    """The output projection (`lm_head`) on a grid of its own, as GGUF files keep a Q4 model's output tensor in
+    Q6_K/Q8_0: in a small model it is the largest matrix (a tied 49152x576 head is 35% of SmolLM2-135M) and the
+    one every token's logits come from. A tied embedding is untied: the lookup table stays in full precision."""
+
+    scheme: str
+    weights: ArgsOverride | None = None
+
+    @field_validator("scheme")
+    @classmethod
+    def _known_scheme(cls, v: str) -> str:
+        return _preset(v)
+
+
 class QuantizationSection(_Strict):
     modifier: Literal["QuantizationModifier", "GPTQModifier", "BitsAndBytes"]
     scheme: str | None = None
@@ -61,17 +85,16 @@ class QuantizationSection(_Strict):
     dampening_frac: float | None = Field(default=None, gt=0, lt=1)
     block_size: int | None = Field(default=None, gt=0)
     bnb: BnbOptions | None = None
+    head: HeadSection | None = None  # quantize lm_head too, with its own scheme (it overrides `ignore` for it)
 
     @field_validator("scheme")
     @classmethod
     def _known_scheme(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+        return _preset(v)
 
-        if v.upper() not in PRESET_SCHEMES:
-            raise ValueError(f"unknown scheme {v!r}; use one of {', '.join(sorted(PRESET_SCHEMES))}")
-        return v.upper()
+    def body_ignore(self) -> list[str]:
+        """`ignore` for the main group: with a `head` section, lm_head is quantized by its own group."""
+        return [x for x in self.ignore if not (self.head and x == "lm_head")]
 
 
 class CalibrationSection(_Strict):
@@ -115,26 +138,33 @@ class Recipe(_Strict):
 
     def resolved_scheme(self) -> dict[str, Any]:
         """Preset merged with overrides, as plain QuantizationArgs dicts ({'weights':..., 'input_activations':...})."""
-        q = self.quantization
-        out: dict[str, Any] = {"weights": None, "input_activations": None}
-        if q.scheme:
-            from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+        return _resolve(self.quantization)
 
-            for key, args in PRESET_SCHEMES[q.scheme].items():
-                if key in out and args is not None:
-                    out[key] = args.model_dump(include={"num_bits", "type", "strategy", "group_size",
-                                                        "symmetric", "dynamic", "observer", "actorder"})
-        for key in ("weights", "input_activations"):
-            override = getattr(q, key)
-            if override is None and key in q.model_fields_set:
-                out[key] = None  # an explicit `null` removes the preset's arguments (e.g. weight-only FP8)
-            elif override is not None:
-                base = dict(out[key] or {})
-                base.update(override.model_dump(exclude_none=True))
-                if base.get("strategy") != "group":
-                    base["group_size"] = None  # presets carry a group size that other strategies must drop
-                out[key] = base
-        return out
+    def resolved_head(self) -> dict[str, Any] | None:
+        """The `head` section's scheme, resolved like the main one; None when lm_head is not quantized."""
+        return _resolve(self.quantization.head) if self.quantization.head else None
+
+
+def _resolve(q: QuantizationSection | HeadSection) -> dict[str, Any]:
+    out: dict[str, Any] = {"weights": None, "input_activations": None}
+    if q.scheme:
+        from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+        for key, args in PRESET_SCHEMES[q.scheme].items():
+            if key in out and args is not None:
+                out[key] = args.model_dump(include={"num_bits", "type", "strategy", "group_size",
+                                                    "symmetric", "dynamic", "observer", "actorder"})
+    for key in ("weights", "input_activations"):
+        override = getattr(q, key, None)
+        if override is None and key in q.model_fields_set:
+            out[key] = None  # an explicit `null` removes the preset's arguments (e.g. weight-only FP8)
+        elif override is not None:
+            base = dict(out[key] or {})
+            base.update(override.model_dump(exclude_none=True))
+            if base.get("strategy") != "group":
+                base["group_size"] = None  # presets carry a group size that other strategies must drop
+            out[key] = base
+    return out
 
 
 def _line_map(node: yaml.Node, path: tuple = ()) -> dict[tuple, int]:
@@ -213,12 +243,18 @@ def _check_consistency(r: Recipe) -> None:
     """Checks that need several fields at once (the schema checks each field alone)."""
     q = r.quantization
     if q.modifier == "BitsAndBytes":
-        if q.scheme or q.weights or q.input_activations:
+        if q.scheme or q.weights or q.input_activations or q.head:
             raise RecipeError(f"{r.line_of('quantization', 'modifier')}: BitsAndBytes takes `bnb:` options, "
-                              "not `scheme`/`weights`: remove them")
+                              "not `scheme`/`weights`/`head`: remove them")
         return
     if not q.scheme and not q.weights:
         raise RecipeError(f"{r.line_of('quantization')}: give a `scheme` (e.g. W4A16, FP8_DYNAMIC) or `weights`")
+    head = r.resolved_head()
+    if head:
+        hw = head.get("weights") or {}
+        if hw.get("type", "int") != "int" or hw.get("num_bits") not in (4, 8):
+            raise RecipeError(f"{r.line_of('quantization', 'head')}: the head takes INT8 or INT4 weights "
+                              "(e.g. scheme W8A16): use one of those")
     w = r.weight_args()
     bits, kind = w.get("num_bits"), w.get("type", "int")
     allowed = INT_BITS if kind == "int" else FLOAT_BITS

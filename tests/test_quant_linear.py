@@ -145,3 +145,14 @@ def test_int4_layout_is_the_checkpoint_layout():
     _, t, _, lin = _layer("w4a16-g32", bias=False)
     assert isinstance(lin, QuantLinear) and lin.kind == "int4"
     assert torch.equal(lin.qweight, t["weight_packed"])
+
+
+def test_blocked_path_buffer_works_in_and_out_of_inference_mode(monkeypatch):
+    """The prefill path reuses one dequant buffer: the engine runs under inference mode, evals and tests do not."""
+    monkeypatch.setattr(cpu._scratch, "buf", None, raising=False)
+    w = torch.randn(40, 64)
+    x = torch.randn(33, 64)  # past every GEMV limit: blocked dequant + sgemm
+    for mode in (True, False, True):
+        with torch.inference_mode(mode):
+            y = cpu.dense_linear(x, w.bfloat16())
+        torch.testing.assert_close(y, x @ w.bfloat16().float().t(), atol=1e-4, rtol=1e-4)

@@ -158,3 +158,50 @@ def test_int8_weight_and_bnb_nf4_peer(tiny_model_dir, tmp_path):
     # NF4 is 4 bits + absmax per 64; on 64-wide toy layers bnb's fixed tables (quant maps) add ~0.1
     assert res.report["totals"]["linear_ratio_vs_bf16"] <= 0.45
     assert res.report["smoke_test"]["completion"] is not None
+
+
+HEAD8 = """version: 1
+name: int4-head8
+quantization:
+  modifier: QuantizationModifier
+  scheme: W4A16_ASYM
+  weights: {group_size: 32}
+  ignore: [lm_head]
+  head: {scheme: W8A16, weights: {strategy: channel}}
+"""
+
+
+def test_head_section_quantizes_a_tied_lm_head_on_its_own_grid(tiny_model_dir, tmp_path):
+    """INT4 body + INT8 head (the GGUF Q4 mix): the head is untied from the bf16 embedding, stored INT8 per
+    channel, and the engine computes the same logits as transformers' own reading of the checkpoint."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from qtoolkit.engine import Engine
+    from qtoolkit.model.quant_linear import QuantLinear
+
+    recipe = tmp_path / "int4-head8.yaml"
+    recipe.write_text(HEAD8)
+    out = tmp_path / "head8"
+    res = quantize(tiny_model_dir, recipe, out, verify=True)
+    cfg = json.loads((out / "config.json").read_text())
+    groups = {tuple(g["targets"]): g for g in cfg["quantization_config"]["config_groups"].values()}
+    assert groups[("lm_head",)]["weights"]["num_bits"] == 8 and groups[("Linear",)]["weights"]["num_bits"] == 4
+    t = _tensors(out)
+    head = t.get("lm_head.weight_packed", t.get("lm_head.weight"))
+    assert head is not None and head.dtype in (torch.int8, torch.int32)
+    assert t["model.embed_tokens.weight"].dtype == torch.bfloat16  # the lookup table stays full precision
+    assert not cfg.get("tie_word_embeddings", False)
+    layers = {x["name"]: x for x in res.report["layers"]}
+    assert layers["lm_head"]["ratio_vs_bf16"] < 0.55  # INT8 + per-channel scales
+    assert res.report["recipe"]["head"]["weights"]["num_bits"] == 8
+
+    engine = Engine(str(out), kv_cache_memory="2MiB", block_size=4)
+    assert isinstance(engine.model.lm_head, QuantLinear) and engine.model.lm_head.kind == "int8"
+    ref_model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                     quantization_config=CompressedTensorsConfig(dequantize=True))
+    ids = torch.randint(0, 1000, (23,), generator=torch.Generator().manual_seed(0)).tolist()
+    (got,) = engine.score([ids])
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-3)

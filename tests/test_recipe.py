@@ -69,3 +69,15 @@ def test_recipe_matching_no_layer_is_an_error():
 def test_unknown_recipe_name_lists_the_shipped_ones():
     with pytest.raises(RecipeError, match="unknown recipe 'int5-magic'.*int4-rtn"):
         load_recipe("int5-magic")
+
+
+def test_head_section_resolves_its_own_scheme_and_frees_lm_head_from_ignore():
+    base = "version: 1\nname: r\nquantization:\n  modifier: QuantizationModifier\n  scheme: W4A16\n  ignore: [lm_head]\n"
+    r = parse_recipe(base + "  head: {scheme: W8A16, weights: {strategy: channel}}\n")
+    assert r.resolved_head()["weights"]["num_bits"] == 8 and r.resolved_head()["weights"]["strategy"] == "channel"
+    assert r.quantization.body_ignore() == [] and r.quantization.ignore == ["lm_head"]
+    assert parse_recipe(base).resolved_head() is None and parse_recipe(base).quantization.body_ignore() == ["lm_head"]
+    with pytest.raises(RecipeError, match="head takes INT8 or INT4"):
+        parse_recipe(base + "  head: {scheme: FP8}\n")
+    with pytest.raises(RecipeError, match="unknown scheme"):
+        parse_recipe(base + "  head: {scheme: W9A16}\n")

@@ -43,24 +43,28 @@ def read_tensors(source: ModelSource) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _matches(patterns: list[str], name: str, class_name: str = "Linear") -> bool:
+def _match_rank(patterns: list[str], name: str, class_name: str = "Linear") -> int | None:
+    """How specifically `patterns` name the module: 0 by name, 1 by regex, 2 by class; None if they miss it.
+    compressed-tensors resolves a module matched by several config groups in this order."""
+    ranks = []
     for pat in patterns or []:
         if pat.startswith("re:"):
             if re.match(pat[3:], name):
-                return True
-        elif pat == class_name or pat == name or name.endswith("." + pat):
-            return True
-    return False
+                ranks.append(1)
+        elif pat == name or name.endswith("." + pat):
+            ranks.append(0)
+        elif pat == class_name:
+            ranks.append(2)
+    return min(ranks, default=None)
 
 
 def config_group_for(qconfig: dict[str, Any], name: str) -> dict[str, Any] | None:
     """The compressed-tensors config group that quantizes Linear `name`, or None when it stays dense."""
-    if _matches(qconfig.get("ignore", []), name):
+    if _match_rank(qconfig.get("ignore", []), name) is not None:
         return None
-    for group in (qconfig.get("config_groups") or {}).values():
-        if _matches(group.get("targets", []), name):
-            return group
-    return None
+    ranked = [(rank, i, group) for i, group in enumerate((qconfig.get("config_groups") or {}).values())
+              if (rank := _match_rank(group.get("targets", []), name)) is not None]
+    return min(ranked, key=lambda x: x[:2])[2] if ranked else None
 
 
 def dense_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
