@@ -51,7 +51,7 @@ def reference(sharp_dir):
 def test_greedy_identity_every_proposer_batch_1_and_mixed_batch(sharp_dir, reference):
     # self-int4 on this random model is mostly rejected, the target drafting for itself always accepted:
     # both ends of the verification path run
-    for spec in ["ngram", "self-int4", "self-fp8", f"draft:{sharp_dir}"]:
+    for spec in ["ngram", "self-int4", "self-fp8", f"draft:{sharp_dir}", f"self:{sharp_dir}"]:
         engine = make(sharp_dir, speculative=spec, num_speculative_tokens=4, max_verify_tokens=64)
         assert run(engine, PROMPTS[1:2], greedy_params()[1:2]) == reference[1:2], spec
         assert run(engine) == reference, spec
@@ -59,18 +59,18 @@ def test_greedy_identity_every_proposer_batch_1_and_mixed_batch(sharp_dir, refer
         spec_stats = stats["speculative"]
         assert spec_stats["draft_tokens"] > 0, spec
         assert stats["kv_blocks_used"] == 0, spec  # every block, rejected slots included, came back
-        if spec == f"draft:{sharp_dir}":  # the target drafting for itself: everything is accepted
+        if spec.endswith(f":{sharp_dir}"):  # the target drafting for itself: everything is accepted
             assert spec_stats["acceptance_rate"] == 1.0
             assert spec_stats["mean_accepted_length"] > 3
 
 
 def test_greedy_identity_with_preemption_and_chunked_prefill(sharp_dir, reference):
-    for spec in ("ngram", f"draft:{sharp_dir}"):
+    for spec in ("ngram", f"draft:{sharp_dir}", f"self:{sharp_dir}"):
         engine = make(sharp_dir, blocks=24, max_num_batched_tokens=32, speculative=spec, max_verify_tokens=64)
         assert run(engine) == reference, spec
         stats = engine.stats()
         assert stats["num_preemptions"] > 0 and stats["speculative"]["draft_tokens"] > 0, spec
-        if spec.startswith("draft"):
+        if not spec.startswith("ngram"):
             assert stats["speculative"]["accepted_tokens"] > 0
         assert stats["kv_blocks_used"] == 0
 
@@ -184,3 +184,25 @@ def test_model_draft_skips_long_context_before_a_short_answer(sharp_dir, referen
     from qtoolkit.engine.speculative.ngram import NgramProposer
 
     assert NgramProposer().catch_up_tokens(Sequence("s", list(range(500)), params)) == 0
+
+
+def test_self_draft_reads_the_target_cache_and_drafts_from_the_first_step(sharp_dir, reference):
+    """A self-draft shares the target's KV cache: no cache of its own, nothing to catch up on, so it drafts for a
+    long prompt too. Its K/V writes land in the slots verification overwrites: outputs stay the target's, and a
+    sampled run with the target as its own draft (p == q) rejects almost nothing."""
+    from qtoolkit.engine.speculative.shared_kv import SharedKVDraftProposer
+
+    engine = make(sharp_dir, speculative=f"self:{sharp_dir}", num_speculative_tokens=4, max_verify_tokens=64)
+    proposer = engine.proposer
+    assert isinstance(proposer, SharedKVDraftProposer) and proposer.runner.kv_cache is engine.runner.kv_cache
+    long_prompt = " ".join(["the rain fell on the plain"] * 40)  # > 128 tokens: a draft:PATH model skips it
+    out = engine.generate([long_prompt], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert out.num_draft_tokens > 0 and out.num_accepted_tokens == out.num_draft_tokens
+    assert engine.stats()["kv_blocks_used"] == 0
+    for spec in ("self-int4", "self-fp8"):
+        assert isinstance(make(sharp_dir, speculative=spec).proposer, SharedKVDraftProposer), spec
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7 + i, ignore_eos=True)
+              for i in range(4)]
+    first = run(engine, PROMPTS[:4], params)
+    assert run(engine, PROMPTS[:4], params) == first
+    assert engine.stats()["speculative"]["acceptance_rate"] > 0.9

@@ -97,7 +97,7 @@ class Engine:
             # the draft's KV holds what the target's does plus k lookahead slots per running sequence
             extra = max_num_seqs * -(-MAX_SPECULATIVE_TOKENS // block_size)
             self.proposer = build_proposer(spec, self.model, self.tokenizer, num_blocks=num_blocks + extra,
-                                           block_size=block_size, dtype=dtype)
+                                           block_size=block_size, dtype=dtype, target_runner=self.runner)
             draft = getattr(self.proposer, "model", None)
             if draft is not None:
                 self.max_model_len = min(self.max_model_len, draft.config.max_position_embeddings)

@@ -20,13 +20,14 @@ def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_cache: torch.Tensor | None = None):
+        """`kv_cache`: another runner's cache to read and write (a self-draft sharing the target's)."""
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
         c = model.config
         # zeros, not empty: padded block-table entries and masked slots are still read by attention,
         # and 0 * NaN garbage would poison the softmax-weighted sum
-        self.kv_cache = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                                    dtype=model.dtype)
+        self.kv_cache = kv_cache if kv_cache is not None else torch.zeros(
+            c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=model.dtype)
         for i, layer in enumerate(model.layers):
             layer.attn.k_cache, layer.attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         self.group = c.num_heads // c.num_kv_heads

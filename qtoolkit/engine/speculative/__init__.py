@@ -14,6 +14,7 @@ from .verify import verify
 
 if TYPE_CHECKING:
     from ...model.llama import LlamaModel
+    from ..model_runner import ModelRunner
 
 __all__ = ["MAX_SPECULATIVE_TOKENS", "DEFAULT_MAX_VERIFY_TOKENS", "Proposal", "Proposer", "SpeculationPolicy",
            "SpeculativeConfigError", "SpeculativeMetrics", "build_proposer", "check_speculative_args", "verify"]
@@ -62,10 +63,13 @@ def _load_draft(path: str, target: LlamaModel, tokenizer, dtype: str) -> LlamaMo
 
 
 def build_proposer(spec: str, target: LlamaModel, tokenizer, *, num_blocks: int, block_size: int,
-                   dtype: str = "auto") -> Proposer:
-    """The proposer for a spec accepted by check_speculative_args; draft KV gets as many blocks as the target's."""
+                   dtype: str = "auto", target_runner: ModelRunner | None = None) -> Proposer:
+    """The proposer for a spec accepted by check_speculative_args. A self-draft (the target quantized, in memory
+    or from a checkpoint) reads the target's KV cache through `target_runner`; a `draft:` model keeps a cache
+    of its own with as many blocks as the target's."""
     from .draft import DraftModelProposer
     from .self_draft import quantize_copy
+    from .shared_kv import SharedKVDraftProposer, shares_kv_layout
 
     if spec == "ngram":
         return NgramProposer()
@@ -73,4 +77,10 @@ def build_proposer(spec: str, target: LlamaModel, tokenizer, *, num_blocks: int,
         draft = quantize_copy(target, spec.removeprefix("self-"))
     else:
         draft = _load_draft(spec.partition(":")[2], target, tokenizer, dtype)
+        if spec.startswith("self:") and not shares_kv_layout(draft, target):
+            raise SpeculativeConfigError(f"--speculative {spec}: the checkpoint's layers, KV heads or dtype differ "
+                                         "from the target's, so it cannot read the target's cache: pass it as "
+                                         "draft:PATH")
+    if spec.startswith("self") and target_runner is not None:
+        return SharedKVDraftProposer(draft, target_runner, name=spec)
     return DraftModelProposer(draft, num_blocks, block_size, name=spec)

@@ -20,7 +20,29 @@ from ..sampler import warped_probs
 from ..sequence import Sequence
 from .base import Proposal
 
-_GREEDY = SamplingParams()
+GREEDY = SamplingParams()
+
+
+def draft_generator(seq: Sequence) -> torch.Generator:
+    """The draft's own stream of randomness for a sampled request, seeded from it so seeded runs repeat."""
+    gen = torch.Generator()
+    gen.manual_seed(seq.params.seed + 1 if seq.params.seed is not None else int(gen.seed()))
+    return gen
+
+
+def sample_drafts(logits: torch.Tensor, seqs: list[Sequence],
+                  generators: dict[str, torch.Generator]) -> tuple[list[int], list[torch.Tensor | None]]:
+    """Greedy rows take the argmax; sampled rows draw from their warped distribution q, which is kept for the
+    rejection test."""
+    tokens = logits.argmax(dim=-1).tolist()
+    probs: list[torch.Tensor | None] = [None] * len(seqs)
+    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if rows:
+        q = warped_probs(logits.index_select(0, torch.tensor(rows)), [seqs[i].params for i in rows])
+        for j, i in enumerate(rows):
+            tokens[i] = int(torch.multinomial(q[j], 1, generator=generators[seqs[i].request_id]))
+            probs[i] = q[j]
+    return tokens, probs
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -44,12 +66,9 @@ class DraftModelProposer:
     def _shadow(self, seq: Sequence) -> Sequence:
         shadow = self.shadows.get(seq.request_id)
         if shadow is None:
-            shadow = self.shadows[seq.request_id] = Sequence(seq.request_id, seq.token_ids, _GREEDY)
+            shadow = self.shadows[seq.request_id] = Sequence(seq.request_id, seq.token_ids, GREEDY)
             if not seq.params.greedy:
-                # the draft's own stream of randomness, seeded from the request so seeded runs repeat
-                gen = torch.Generator()
-                gen.manual_seed(seq.params.seed + 1 if seq.params.seed is not None else int(gen.seed()))
-                self.generators[seq.request_id] = gen
+                self.generators[seq.request_id] = draft_generator(seq)
         keep = min(shadow.num_computed_tokens, common_prefix(shadow.token_ids, seq.token_ids))
         # the last token must always be fed, so a fully matching shadow still recomputes it
         keep = min(keep, len(seq) - 1)
@@ -69,17 +88,6 @@ class DraftModelProposer:
         self.blocks.grow(shadow, num_tokens)
         return True
 
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
-        tokens = logits.argmax(dim=-1).tolist()
-        probs: list[torch.Tensor | None] = [None] * len(seqs)
-        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if rows:
-            q = warped_probs(logits.index_select(0, torch.tensor(rows)), [seqs[i].params for i in rows])
-            for j, i in enumerate(rows):
-                tokens[i] = int(torch.multinomial(q[j], 1, generator=self.generators[seqs[i].request_id]))
-                probs[i] = q[j]
-        return tokens, probs
-
     @torch.inference_mode()
     def propose(self, batch: list[tuple[Sequence, int]]) -> list[Proposal]:
         out = [Proposal([]) for _ in batch]
@@ -97,7 +105,7 @@ class DraftModelProposer:
         while active:
             work = [(shadow, len(shadow) - shadow.num_computed_tokens) for _, _, shadow, _ in active]
             logits = self.runner.run(work, [1] * len(work))
-            tokens, probs = self._choose(logits, [seq for _, seq, _, _ in active])
+            tokens, probs = sample_drafts(logits, [seq for _, seq, _, _ in active], self.generators)
             still = []
             for (i, seq, shadow, k), (_, n), token, q in zip(active, work, tokens, probs, strict=True):
                 shadow.num_computed_tokens += n

@@ -1,0 +1,81 @@
+"""A self-draft that reads the target's KV cache: no draft prefill, no second cache.
+
+A quantized copy of the target has the target's layer shapes, so its attention can read the target's cache as it
+is. The draft attends over the context the target already computed and writes K/V only for the tokens it feeds
+(the last accepted token and its own drafts), into the slots the engine has just reserved for verification. The
+verification pass writes the target's K/V into those same slots, layer by layer, before any of them is read, so the
+target never sees a draft value; slots of rejected drafts are rolled back with the sequence as before.
+
+Against a draft with its own cache (draft.py) this removes the draft's prefill: a 250-token summarization prompt
+cost the INT4 draft about as long to catch up on as the fp32 target took to prefill it, which made a self-draft a
+loss at batch 1 before a 50-token answer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...model.llama import LlamaModel
+from ..model_runner import ModelRunner
+from ..sequence import Sequence
+from .base import Proposal
+from .draft import GREEDY, draft_generator, sample_drafts
+
+
+def shares_kv_layout(draft: LlamaModel, target: LlamaModel) -> bool:
+    """Whether the draft's attention can read the target's cache: same layers, KV heads, head size and dtype."""
+    a, b = draft.config, target.config
+    return ((a.num_layers, a.num_kv_heads, a.head_dim, a.vocab_size) == (b.num_layers, b.num_kv_heads, b.head_dim,
+                                                                         b.vocab_size)
+            and draft.dtype == target.dtype)
+
+
+class SharedKVDraftProposer:
+    def __init__(self, model: LlamaModel, target_runner: ModelRunner, name: str):
+        self.name = name
+        self.model = model
+        self.runner = ModelRunner(model, target_runner.num_blocks, target_runner.block_size,
+                                  kv_cache=target_runner.kv_cache)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _view(self, seq: Sequence) -> Sequence:
+        """The target sequence as the draft feeds it: same blocks (only read here) and computed prefix."""
+        view = Sequence(seq.request_id, seq.token_ids, GREEDY)
+        view.block_table = seq.block_table
+        view.num_computed_tokens = seq.num_computed_tokens
+        if not seq.params.greedy and seq.request_id not in self.generators:
+            self.generators[seq.request_id] = draft_generator(seq)
+        return view
+
+    @torch.inference_mode()
+    def propose(self, batch: list[tuple[Sequence, int]]) -> list[Proposal]:
+        """k autoregressive draft steps, batched over the sequences; the engine has reserved blocks for
+        len(seq) + k positions, and the draft writes at most len(seq) + k - 1 of them."""
+        out = [Proposal([]) for _ in batch]
+        active = [(i, seq, self._view(seq), k) for i, (seq, k) in enumerate(batch) if k > 0]
+        draft_probs: dict[int, list[torch.Tensor]] = {}
+        step = 0
+        while active:
+            work = [(view, len(view) - view.num_computed_tokens) for _, _, view, _ in active]
+            logits = self.runner.run(work, [1] * len(work))
+            tokens, probs = sample_drafts(logits, [seq for _, seq, _, _ in active], self.generators)
+            still = []
+            for (i, seq, view, k), (_, n), token, q in zip(active, work, tokens, probs, strict=True):
+                view.num_computed_tokens += n
+                view.token_ids.append(token)
+                out[i].tokens.append(token)
+                if q is not None:
+                    draft_probs.setdefault(i, []).append(q)
+                if step + 1 < k:
+                    still.append((i, seq, view, k))
+            active = still
+            step += 1
+        for i, rows in draft_probs.items():
+            out[i].draft_probs = torch.stack(rows)
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        self.generators.pop(seq.request_id, None)
+
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        return 0  # the target's cache already holds the context
