@@ -245,3 +245,23 @@ def test_engine_failure_fails_in_flight_requests_and_server_recovers(tiny_model_
                        timeout=TIMEOUT)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         wait_until_idle(url)
+
+
+def test_engine_for_serving_loads_off_the_main_thread(tiny_model_dir, monkeypatch):
+    """serve() loads the engine on a helper thread (the main thread's OpenMP pool would slow the engine thread)
+    and hands back the engine, or re-raises the loader's error on the caller's thread."""
+    import qtoolkit.server as server
+    from qtoolkit.errors import QToolError
+
+    seen = []
+    real = server.build_engine
+
+    def spy(model, **kw):
+        seen.append(threading.current_thread() is threading.main_thread())
+        return real(model, **kw)
+
+    monkeypatch.setattr(server, "build_engine", spy)
+    engine = server.build_engine_off_main_thread(str(tiny_model_dir), kv_cache_memory="4MiB")
+    assert seen == [False] and engine.model_name
+    with pytest.raises(QToolError):
+        server.build_engine_off_main_thread(str(tiny_model_dir / "missing"))

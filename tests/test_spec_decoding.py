@@ -116,6 +116,10 @@ def test_policy_picks_k_from_acceptance_and_draft_cost():
     for _ in range(30):  # a draft step costing as much as verification: never worth it
         policy.observe_cost(proposer_seconds=0.1, draft_steps=1, verify_seconds=0.1)
     assert abs(policy.draft_cost - 1.0) < 0.01 and policy.best_k(0.9)[1] < 1.0
+    warm = SpeculationPolicy(4)  # one slow first draft step (one-time costs) does not switch a cheap draft off
+    for r in (3.0, 0.3, 0.3):
+        warm.observe_cost(proposer_seconds=r, draft_steps=1, verify_seconds=1.0)
+    assert warm.draft_cost == 0.3 and warm.best_k(0.9)[1] > 1.05
     seq = Sequence("s", [1, 2, 3], SamplingParams())
     assert policy.plan([(seq, 8)], step_tokens=1) == [0]  # switched off ...
     assert seq.spec_cooldown > 0

@@ -27,6 +27,9 @@ no ordering between 1 and 9 tokens, i.e. noise: the setting stays tunable (`max_
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 from ..sequence import Sequence
 
 DEFAULT_MAX_VERIFY_TOKENS = 8
@@ -39,7 +42,8 @@ class SpeculationPolicy:
         self.max_verify_tokens = max_verify_tokens
         self.adaptive = adaptive
         self.min_gain, self.cooldown_steps, self.smoothing = min_gain, cooldown_steps, smoothing
-        self.draft_cost = 0.0  # r: one draft step / one verification forward (moving average)
+        self.draft_cost = 0.0  # r: one draft step / one verification forward (median of recent steps)
+        self._draft_samples: deque[float] = deque(maxlen=9)
         self.verify_cost = 0.125  # v: extra time per verified draft token, in plain decode steps
         self._plain_step: dict[int, float] = {}  # sequences in a decode-only step -> seconds (moving average)
 
@@ -113,8 +117,10 @@ class SpeculationPolicy:
         `num_seqs` sequences carrying `extra_tokens` drafts in all."""
         if draft_steps <= 0 or verify_seconds <= 0:
             return
-        r = proposer_seconds / draft_steps / verify_seconds
-        self.draft_cost += self.smoothing * (r - self.draft_cost)
+        # a median, not a moving average: a first draft step that pays one-time costs (a server's first request)
+        # measured r ~ 3 and held speculation off for the whole run while probes nudged the average back by 20%
+        self._draft_samples.append(proposer_seconds / draft_steps / verify_seconds)
+        self.draft_cost = statistics.median(self._draft_samples)
         plain = self._plain_step.get(num_seqs)
         if plain and extra_tokens > 0:
             # clamped: on a shared machine one descheduled step can look 10x slower and would switch
