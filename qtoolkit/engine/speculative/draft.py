@@ -45,6 +45,31 @@ def sample_drafts(logits: torch.Tensor, seqs: list[Sequence],
     return tokens, probs
 
 
+def draft_steps(runner: ModelRunner, active: list[tuple[int, Sequence, Sequence, int]], out: list[Proposal],
+                generators: dict[str, torch.Generator]) -> None:
+    """k autoregressive draft steps, batched: `active` holds (index into out, target sequence, the sequence the
+    draft feeds, k); each step feeds every fed sequence's unseen tokens and appends one draft token to it."""
+    draft_probs: dict[int, list[torch.Tensor]] = {}
+    step = 0
+    while active:
+        work = [(fed, len(fed) - fed.num_computed_tokens) for _, _, fed, _ in active]
+        logits = runner.run(work, [1] * len(work))
+        tokens, probs = sample_drafts(logits, [seq for _, seq, _, _ in active], generators)
+        still = []
+        for (i, seq, fed, k), (_, n), token, q in zip(active, work, tokens, probs, strict=True):
+            fed.num_computed_tokens += n
+            fed.token_ids.append(token)
+            out[i].tokens.append(token)
+            if q is not None:
+                draft_probs.setdefault(i, []).append(q)
+            if step + 1 < k:
+                still.append((i, seq, fed, k))
+        active = still
+        step += 1
+    for i, rows in draft_probs.items():
+        out[i].draft_probs = torch.stack(rows)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -100,25 +125,7 @@ class DraftModelProposer:
             # KV for every token fed: the sequence so far plus the first k-1 drafts (the k-th is never fed)
             if self._reserve(shadow, len(seq) + k - 1, in_step):
                 active.append((i, seq, shadow, k))
-        draft_probs: dict[int, list[torch.Tensor]] = {}
-        step = 0
-        while active:
-            work = [(shadow, len(shadow) - shadow.num_computed_tokens) for _, _, shadow, _ in active]
-            logits = self.runner.run(work, [1] * len(work))
-            tokens, probs = sample_drafts(logits, [seq for _, seq, _, _ in active], self.generators)
-            still = []
-            for (i, seq, shadow, k), (_, n), token, q in zip(active, work, tokens, probs, strict=True):
-                shadow.num_computed_tokens += n
-                shadow.token_ids.append(token)
-                out[i].tokens.append(token)
-                if q is not None:
-                    draft_probs.setdefault(i, []).append(q)
-                if step + 1 < k:
-                    still.append((i, seq, shadow, k))
-            active = still
-            step += 1
-        for i, rows in draft_probs.items():
-            out[i].draft_probs = torch.stack(rows)
+        draft_steps(self.runner, active, out, self.generators)
         return out
 
     def release_id(self, request_id: str) -> None:

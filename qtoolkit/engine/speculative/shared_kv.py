@@ -19,7 +19,7 @@ from ...model.llama import LlamaModel
 from ..model_runner import ModelRunner
 from ..sequence import Sequence
 from .base import Proposal
-from .draft import GREEDY, draft_generator, sample_drafts
+from .draft import GREEDY, draft_generator, draft_steps
 
 
 def shares_kv_layout(draft: LlamaModel, target: LlamaModel) -> bool:
@@ -53,25 +53,7 @@ class SharedKVDraftProposer:
         len(seq) + k positions, and the draft writes at most len(seq) + k - 1 of them."""
         out = [Proposal([]) for _ in batch]
         active = [(i, seq, self._view(seq), k) for i, (seq, k) in enumerate(batch) if k > 0]
-        draft_probs: dict[int, list[torch.Tensor]] = {}
-        step = 0
-        while active:
-            work = [(view, len(view) - view.num_computed_tokens) for _, _, view, _ in active]
-            logits = self.runner.run(work, [1] * len(work))
-            tokens, probs = sample_drafts(logits, [seq for _, seq, _, _ in active], self.generators)
-            still = []
-            for (i, seq, view, k), (_, n), token, q in zip(active, work, tokens, probs, strict=True):
-                view.num_computed_tokens += n
-                view.token_ids.append(token)
-                out[i].tokens.append(token)
-                if q is not None:
-                    draft_probs.setdefault(i, []).append(q)
-                if step + 1 < k:
-                    still.append((i, seq, view, k))
-            active = still
-            step += 1
-        for i, rows in draft_probs.items():
-            out[i].draft_probs = torch.stack(rows)
+        draft_steps(self.runner, active, out, self.generators)
         return out
 
     def release(self, seq: Sequence) -> None:
