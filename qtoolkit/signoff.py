@@ -40,7 +40,7 @@ class SignoffConfig:
     speculative: str | None = None  # e.g. "ngram": adds the speculative-decoding layer to the ablation
     diagnose_batches: tuple[int, ...] = (1, 8)
     seed: int = 0
-    rounds: int = 3  # of the throughput gates' systems at the top tier: the gates judge their spread
+    rounds: int = 5  # of the throughput gates' systems at the top tier: the gates judge their spread
 
 
 @dataclass

@@ -32,12 +32,12 @@ def test_report_files_and_verdict(run_dir):
     assert {"code.kld_mean", "summarization.kld_mean", "throughput.min_speedup"} <= names
     assert report["verdict"] == ("PASS" if all(g["passed"] for g in report["gates"]) else "FAIL")
     assert report["ablation"]["tiers"][0]["steps"][0]["label"].startswith("baseline")
-    # the top tier's gate systems ran 3 rounds (the default), and the gate judged their lower bound
+    # the top tier's gate systems ran 5 rounds (the default), and the gate judged their lower bound
     rounds = report["ablation"]["tiers"][-1]["total_speedup_rounds"]
-    assert rounds["rounds"] == 3 and len(rounds["per_round"]) == 3
+    assert rounds["rounds"] == 5 and len(rounds["per_round"]) == 5
     assert rounds["per_round"][0] == pytest.approx(report["ablation"]["tiers"][-1]["total_speedup"])
     gate = next(g for g in report["gates"] if g["name"] == "throughput.min_speedup")
-    assert gate["judged"] == pytest.approx(rounds["ci95"][0]) and "over 3 rounds" in gate["detail"]
+    assert gate["judged"] == pytest.approx(rounds["ci95"][0]) and "over 5 rounds" in gate["detail"]
     assert set(report["plots"]) == {"throughput", "quality", "kld", "memory", "roofline"}
     md = (run_dir / "report.md").read_text()
     assert md.startswith(f"# Release sign-off: {report['verdict']}")

@@ -28,9 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default="ngram",
                    help="proposer of the ablation's speculative-decoding layer (ngram, self-int4, draft:PATH, ...; "
                         "default ngram; none leaves the layer out)")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=int, default=5,
                    help="rounds of the throughput gates' systems at the top tier, on fresh requests each; the gates "
-                        "judge the lower 95%% bound of the per-round speedups (default 3; 1 judges one point)")
+                        "judge the lower 95%% bound of the per-round speedups (default 5; 1 judges one point)")
     p.add_argument("--output", required=True, help="report folder (reruns reuse finished steps)")
 
 
