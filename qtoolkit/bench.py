@@ -255,14 +255,32 @@ def _update_tier(report: dict[str, Any], c: int, n: int, results: dict[str, Any]
         on_tier(report)  # long CPU runs keep what they measured if stopped
 
 
+def _add_ceilings(results: dict[str, Any], concurrency: int, num_speculative_tokens: int) -> None:
+    """At concurrency 1: each speculative system's ceiling from its measured costs (see spec_ceiling)."""
+    from .spec_ceiling import prefill_share, speculation_ceiling
+
+    if concurrency != 1:
+        return
+    for name, res in results.items():
+        plain = results.get(name.split("+")[0])
+        share = prefill_share(plain) if plain else None
+        if "speculative_engine" in res and share is not None:
+            res["speculative_ceiling"] = speculation_ceiling(res["speculative_engine"], prefill_share=share,
+                                                             num_speculative_tokens=num_speculative_tokens)
+
+
 def _speculative_curve(tiers: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """Per speculative system: spec / no-spec output tok/s at each concurrency (the load-aware policy's curve)."""
     curve: dict[str, list[dict[str, Any]]] = {}
     for tier in tiers:
         for key, value in tier["ratios"].items():
             if "+" in key:
-                curve.setdefault(key.split("_over_")[0], []).append({"concurrency": tier["concurrency"],
-                                                                     "speedup": value})
+                name = key.split("_over_")[0]
+                point = {"concurrency": tier["concurrency"], "speedup": value}
+                if ceiling := tier["results"][name].get("speculative_ceiling"):
+                    point["ceiling"] = ceiling["measured_acceptance"]["request_speedup"]
+                    point["ceiling_at_full_acceptance"] = ceiling["full_acceptance"]["request_speedup"]
+                curve.setdefault(name, []).append(point)
     return curve
 
 
@@ -280,6 +298,7 @@ def bench_serve(model: str = "default", *, endpoint: str | None = None, concurre
     from .errors import QToolError
     from .progress import status
     from .provenance import provenance, text_sha256
+    from .spec_ceiling import scrape_speculative, tier_delta
     from .workloads import build_workload
 
     concurrency = concurrency or [1, 4, 16, 32]
@@ -352,9 +371,13 @@ def bench_serve(model: str = "default", *, endpoint: str | None = None, concurre
             results: dict[str, Any] = {}
             for name in order:
                 status(f"concurrency {c}: {n} requests against {name}")
+                before = scrape_speculative(systems[name], api_key) if "+" in name else None
                 res, duration = asyncio.run(run_load(systems[name], model, reqs, concurrency=c, rate=rate,
                                                      seed=seed + t, api=api, ignore_eos=ignore_eos, api_key=api_key))
                 results[name] = summarize(res, duration)
+                if "+" in name and (engine := tier_delta(before, scrape_speculative(systems[name], api_key))):
+                    results[name]["speculative_engine"] = engine
+                _add_ceilings(results, c, num_speculative_tokens)
                 _update_tier(report, c, n, results, on_tier)
             if hf is not None:
                 status(f"concurrency {c}: {n} requests through HF generate (static batches of {c})")
@@ -380,4 +403,15 @@ def format_table(report: dict[str, Any]) -> str:
                          f"{lat[2]:>16}")
         for k, v in tier["ratios"].items():
             lines.append(f"{'':<16}{k} = {v:.2f}x")
+        for name, r in tier["results"].items():
+            if (e := r.get("speculative_engine")) is not None:
+                lines.append(f"{'':<16}{name}: drafted {e['draft_tokens']}, accepted {e['accepted_tokens']} "
+                             f"(by position {e['acceptance_by_position'][:4]}), proposer {e['proposer_share']:.0%}"
+                             f" of spec time, draft cost r={e['draft_cost_ratio']:.2f}, "
+                             f"verify cost v={e['verify_cost_per_token']:.2f}/token")
+            if (cl := r.get("speculative_ceiling")) is not None:
+                m, f = cl["measured_acceptance"], cl["full_acceptance"]
+                lines.append(f"{'':<16}{name}: ceiling at these costs {m['request_speedup']:.2f}x "
+                             f"(k={m['best_k']}), at acceptance 1 {f['request_speedup']:.2f}x (k={f['best_k']}); "
+                             f"prefill is {cl['prefill_share']:.0%} of a request")
     return "\n".join(lines)

@@ -134,8 +134,14 @@ def classify(result: dict[str, Any]) -> tuple[str, list[str]]:
         bottleneck = "decode-memory"
     else:
         bottleneck = "prefill-compute"
-    levers.append(f"continuous batching: aggregate decode grows {scaling:.1f}x from batch {min(dec)} to {max(dec)} "
-                  "(weights are read once per step for the whole batch)")
+    lever = (f"continuous batching: aggregate decode grows {scaling:.1f}x from batch {min(dec)} to {max(dec)} "
+             "(weights are read once per step for the whole batch)")
+    if ceiling := result.get("batching_ceiling", {}).get("by_concurrency"):
+        top = ceiling[-1]
+        lever += (f"; replayed on these step times, the {result['batching_ceiling']['workload']} workload's output "
+                  f"lengths bound continuous / static at {top['continuous_over_static']:.2f}x at concurrency "
+                  f"{top['concurrency']}")
+    levers.append(lever)
     levers.append(f"weight quantization: a decode step streams {result['model']['decode_bytes_per_step'] / 1e6:.0f} MB;"
                   " INT4 cuts the linear part ~3.5x, which lifts the batch-1 memory roofline")
     levers.append("speculative decoding at low concurrency: it turns memory-bound single-token steps into "
@@ -143,6 +149,23 @@ def classify(result: dict[str, Any]) -> tuple[str, list[str]]:
     if bottleneck == "prefill-compute":
         levers.reverse()
     return bottleneck, levers
+
+
+def continuous_batching_ceiling(decode: list[dict[str, Any]], workload: str = "mixed", mean_output_tokens: int = 64,
+                                max_output_tokens: int = 128, waves: int = 8) -> dict[str, Any]:
+    """Upper bound of continuous / static output tok/s per measured batch size, for `qtool bench serve`'s
+    default workload (its lengths replayed on the measured step times; see batching_ceiling)."""
+    from .batching_ceiling import batching_ceiling, step_time_curve
+    from .workloads import build_workload
+
+    step = step_time_curve([(r["batch"], r["ms_per_step"] / 1000) for r in decode])
+    rows = []
+    for c in sorted({r["batch"] for r in decode if r["batch"] > 1}):
+        lengths = [r.max_tokens for r in build_workload(workload, waves * c, seed=0, mean_output_tokens=mean_output_tokens,
+                                                        max_output_tokens=max_output_tokens)]
+        rows.append({"concurrency": c, "continuous_over_static": round(batching_ceiling(lengths, c, step), 3)})
+    return {"workload": workload, "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens,
+            "requests_per_concurrency": f"{waves} x concurrency", "by_concurrency": rows}
 
 
 def diagnose(model: str = "default", *, kv_cache_memory: str = "1GiB", dtype: str = "auto",
@@ -179,6 +202,7 @@ def diagnose(model: str = "default", *, kv_cache_memory: str = "1GiB", dtype: st
         row["fraction_of_roofline"] = round(row["tokens_per_s"] / att, 3)
     for row in prefill:
         row["fraction_of_roofline"] = round(row["tokens_per_s"] / result["roofline"]["prefill_attainable_tok_s"], 3)
+    result["batching_ceiling"] = continuous_batching_ceiling(decode)
     result["bottleneck"], result["levers"] = classify(result)
     return result
 
@@ -191,6 +215,9 @@ def format_summary(r: dict[str, Any]) -> str:
               f"({100 * p['fraction_of_roofline']:.0f}% of compute roofline)" for p in r["prefill"]]
     lines += [f"decode batch {d['batch']:>3}: {d['tokens_per_s']:>8} tok/s, {d['ms_per_step']} ms/step "
               f"({100 * d['fraction_of_roofline']:.0f}% of roofline)" for d in r["decode"]]
+    lines += [f"continuous / static ceiling at concurrency {x['concurrency']:>3}: {x['continuous_over_static']:.2f}x "
+              f"({r['batching_ceiling']['workload']} workload, decode only)"
+              for x in r.get("batching_ceiling", {}).get("by_concurrency", [])]
     lines.append(f"bottleneck: {r['bottleneck']}")
     lines += [f"  {i}. {lever}" for i, lever in enumerate(r["levers"], 1)]
     return "\n".join(lines)

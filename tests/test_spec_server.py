@@ -62,5 +62,12 @@ def test_bench_serve_measures_the_speculative_curve(tiny_model_dir, tmp_path):
         assert tier["ratios"]["continuous+ngram_over_continuous"] > 0
         assert "speculative" in tier["results"]["continuous+ngram"]
         assert "speculative" not in tier["results"]["continuous"]
+        engine = tier["results"]["continuous+ngram"]["speculative_engine"]  # scraped from /metrics over the tier
+        assert engine["proposer_seconds"] >= 0 and engine["verify_seconds"] >= 0
+        assert engine["accepted_tokens"] <= engine["draft_tokens"]
+    ceiling = report["tiers"][0]["results"]["continuous+ngram"]["speculative_ceiling"]  # at concurrency 1 only
+    assert 0 < ceiling["prefill_share"] < 1 and ceiling["full_acceptance"]["request_speedup"] >= 1.0
+    assert "speculative_ceiling" not in report["tiers"][1]["results"]["continuous+ngram"]
+    assert "ceiling" in report["speculative_curve"]["continuous+ngram"][0]
     assert main(["bench", "serve", "--model", str(tiny_model_dir), "--speculative", "ngram",
                  "--num-speculative-tokens", "40", "--output", str(tmp_path / "x.json")]) == 2

@@ -50,6 +50,18 @@ class ServerMetrics:
         self.spec_position = Gauge("qtool_spec_acceptance_by_position", "Acceptance rate of the i-th draft token",
                                    ["position"], registry=r)
         self.spec_seconds = Gauge("qtool_spec_seconds", "Time spent proposing and verifying", ["phase"], registry=r)
+        # counts as well as rates, so a client can difference two scrapes (e.g. one bench tier)
+        self.spec_position_count = Gauge("qtool_spec_position_tokens", "Draft tokens at the i-th position",
+                                         ["position", "outcome"], registry=r)
+        self.spec_steps = Gauge("qtool_spec_decode_steps", "Decode steps with and without proposals", ["kind"],
+                                registry=r)
+        self.spec_verifications = Gauge("qtool_spec_verifications", "Sequence verifications carrying proposals",
+                                        registry=r)
+        self.spec_draft_cost = Gauge("qtool_spec_draft_cost_ratio",
+                                     "Policy estimate: one draft step / one verification forward", registry=r)
+        self.spec_verify_cost = Gauge("qtool_spec_verify_cost_per_token",
+                                      "Policy estimate: a plain step's extra time per verified draft token",
+                                      registry=r)
         self._recent: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()  # the engine thread appends, the scrape reads
 
@@ -78,6 +90,14 @@ class ServerMetrics:
                 self.spec_position.labels(str(i + 1)).set(rate)
             self.spec_seconds.labels("propose").set(spec["proposer_seconds"])
             self.spec_seconds.labels("verify").set(spec["verify_seconds"])
+            for i, (proposed, accepted) in enumerate(zip(spec["proposed_at"], spec["accepted_at"], strict=True)):
+                self.spec_position_count.labels(str(i + 1), "proposed").set(proposed)
+                self.spec_position_count.labels(str(i + 1), "accepted").set(accepted)
+            self.spec_steps.labels("speculative").set(spec["steps_with_speculation"])
+            self.spec_steps.labels("plain").set(spec["steps_without_speculation"])
+            self.spec_verifications.set(spec["verify_steps"])
+            self.spec_draft_cost.set(spec.get("draft_cost_ratio", 0.0))
+            self.spec_verify_cost.set(spec.get("verify_cost_per_token", 0.0))
 
     def record_finished(self, finish_reason: str, ttft: float | None, latency: float, num_tokens: int) -> None:
         self.finished.labels(finish_reason).inc()

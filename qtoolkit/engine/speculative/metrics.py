@@ -42,6 +42,7 @@ class SpeculativeMetrics:
             "mean_accepted_length": self.emitted_tokens / self.verify_steps if self.verify_steps else 0.0,
             "acceptance_by_position": [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at,
                                                                            strict=True)],
+            "proposed_at": list(self.proposed_at), "accepted_at": list(self.accepted_at),
             "steps_with_speculation": self.steps_with_speculation,
             "steps_without_speculation": self.steps_without_speculation,
             "proposer_seconds": self.proposer_seconds, "verify_seconds": self.verify_seconds,
