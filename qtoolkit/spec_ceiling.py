@@ -6,6 +6,10 @@ tier and differenced. From those measured costs the tier gets a ceiling: the spe
 (Leviathan et al.) allows at the measured acceptance and at perfect acceptance, first for the decode steps, then
 for whole requests, where the prefill share measured on the no-spec system of the same tier does not speed up.
 The ceiling is reported for concurrency 1, where a request's time is its own prefill plus its decode steps.
+The model takes draft positions as independent trials of the first position's acceptance; prompt lookup's
+acceptance is bursty (a match tends to run on), so it can beat the "measured acceptance" figure. The figure at
+acceptance 1 is a true bound for the measured r and v: no step can emit more than k + 1 tokens. Both costs are
+moving estimates from the same tier, so they carry its noise (v at batch 1 read 0.02-0.13 across runs here).
 """
 
 from __future__ import annotations

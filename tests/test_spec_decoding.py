@@ -121,6 +121,9 @@ def test_policy_picks_k_from_acceptance_and_draft_cost():
         warm.observe_cost(proposer_seconds=r, draft_steps=1, verify_seconds=1.0)
     assert warm.draft_cost == 0.3 and warm.best_k(0.9)[1] > 1.05
     seq = Sequence("s", [1, 2, 3], SamplingParams())
+    assert policy.plan([(seq, 8)], step_tokens=1) == [0]  # first a plain step at this batch size, to time it
+    assert seq.spec_cooldown == 0
+    policy.observe_plain(1, 0.1)
     assert policy.plan([(seq, 8)], step_tokens=1) == [0]  # switched off ...
     assert seq.spec_cooldown > 0
     for _ in range(seq.spec_cooldown - 1):
@@ -138,10 +141,43 @@ def test_policy_picks_k_from_acceptance_and_draft_cost():
     assert busy.best_k(0.3)[1] < 1.0 < busy.best_k(0.95)[1]  # only near-certain drafts still pay
     cheap = SpeculationPolicy(4)
     seqs = [Sequence(f"b{i}", [1, 2, 3], SamplingParams()) for i in range(3)]
+    cheap.observe_plain(3, 0.1)
     assert cheap.plan([(s, 4) for s in seqs], step_tokens=3) == [2, 2, 1]  # 5 spare tokens shared
     assert cheap.plan([(s, 4) for s in seqs], step_tokens=8) == [0, 0, 0]  # batch past the budget: off
     cheap.update(seqs[0], proposed=4, accepted=1)
     assert seqs[0].spec_acceptance < 0.8
+
+
+def test_verification_cost_is_learnt_per_batch_size():
+    from qtoolkit.engine.sequence import Sequence
+    from qtoolkit.engine.speculative import SpeculationPolicy
+    from qtoolkit.engine.speculative.policy import PLAIN_REFRESH_STEPS
+
+    policy = SpeculationPolicy(4)
+    policy.observe_plain(1, 0.030)
+    policy.observe_plain(4, 0.032)
+    for _ in range(40):  # this CPU: 1 x 2 tokens cost 1.1x a plain step of 1, 4 x 2 tokens 1.4x a plain step of 4
+        policy.observe_cost(0.39 * 0.033, 1, 0.033, num_seqs=1, extra_tokens=1)
+        policy.observe_cost(0.39 * 0.045, 1, 0.045, num_seqs=4, extra_tokens=4)
+    assert policy.verify_cost_at(1) == pytest.approx(0.1, abs=0.01)
+    assert policy.verify_cost_at(4) == pytest.approx(0.406, abs=0.01)
+    assert policy.verify_cost_at(8) == policy.verify_cost_at(4) and policy.verify_cost_at(2) == policy.verify_cost_at(1)
+    # the same draft (r = 0.39, acceptance 0.9) pays for one sequence and not for four
+    assert policy.best_k(0.9, 1)[1] > policy.min_gain > policy.best_k(0.9, 4)[1]
+    one = Sequence("one", [1, 2, 3], SamplingParams())
+    four = [Sequence(f"f{i}", [1, 2, 3], SamplingParams()) for i in range(4)]
+    for s in [one, *four]:
+        s.spec_acceptance = 0.9
+    assert policy.plan([(one, 4)], step_tokens=1)[0] > 0
+    assert policy.plan([(s, 4) for s in four], step_tokens=4) == [0, 0, 0, 0]
+    # a batch size never timed plain gets a plain step first; later, one in PLAIN_REFRESH_STEPS refreshes it
+    three = four[:3]
+    for s in three:
+        s.spec_cooldown = 0
+    assert policy.plan([(s, 4) for s in three], step_tokens=3) == [0, 0, 0]
+    policy.observe_plain(3, 0.031)
+    plans = [policy.plan([(one, 4)], step_tokens=1) for _ in range(2 * PLAIN_REFRESH_STEPS)]
+    assert sum(p == [0] for p in plans) == 2 and all(p[0] > 0 for p in plans[:PLAIN_REFRESH_STEPS - 2])
 
 
 def test_sampled_requests_with_speculation_are_seeded_and_complete(sharp_dir):

@@ -33,6 +33,9 @@ from collections import deque
 from ..sequence import Sequence
 
 DEFAULT_MAX_VERIFY_TOKENS = 8
+DEFAULT_VERIFY_COST = 0.125
+# every this many decode-only steps at a batch size, one runs without proposals to refresh its plain-step time
+PLAIN_REFRESH_STEPS = 50
 
 
 class SpeculationPolicy:
@@ -44,27 +47,57 @@ class SpeculationPolicy:
         self.min_gain, self.cooldown_steps, self.smoothing = min_gain, cooldown_steps, smoothing
         self.draft_cost = 0.0  # r: one draft step / one verification forward (median of recent steps)
         self._draft_samples: deque[float] = deque(maxlen=9)
-        self.verify_cost = 0.125  # v: extra time per verified draft token, in plain decode steps
+        # v: extra time per verified draft token, in plain decode steps, per number of sequences in the step. It
+        # grows with the batch (a step of 1 x 5 tokens cost 1.4x a plain one here, 4 x 2 tokens about 1.4x a
+        # plain step of 4, i.e. 0.4 per draft token), so one global estimate learnt at batch 1 kept a self-draft
+        # on at 4 sequences, where it lost 10-20%.
+        self._verify_prior = DEFAULT_VERIFY_COST
+        self._verify_costs: dict[int, float] = {}
+        self._last_batch = 1
         self._plain_step: dict[int, float] = {}  # sequences in a decode-only step -> seconds (moving average)
+        self._decode_steps: dict[int, int] = {}  # decode-only steps planned, per number of sequences
 
     @staticmethod
     def expected_tokens(acceptance: float, k: int) -> float:
         a = min(acceptance, 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
 
-    def best_k(self, acceptance: float) -> tuple[int, float]:
-        gains = [(self.expected_tokens(acceptance, k) / ((1 + k * self.verify_cost) * (1 + k * self.draft_cost)), k)
+    @property
+    def verify_cost(self) -> float:
+        """v at the batch size verified last (the figure /metrics shows)."""
+        return self.verify_cost_at(self._last_batch)
+
+    @verify_cost.setter
+    def verify_cost(self, value: float) -> None:
+        """Fix v at every batch size (tests, and the ceiling model of a measured v)."""
+        self._verify_prior = value
+        self._verify_costs.clear()
+
+    def verify_cost_at(self, num_seqs: int) -> float:
+        """v measured at this batch size, else at the largest smaller one measured (it only grows with the
+        batch), else the prior."""
+        if num_seqs in self._verify_costs:
+            return self._verify_costs[num_seqs]
+        below = [n for n in self._verify_costs if n < num_seqs]
+        return self._verify_costs[max(below)] if below else self._verify_prior
+
+    def verify_costs(self) -> dict[int, float]:
+        return dict(sorted(self._verify_costs.items()))
+
+    def best_k(self, acceptance: float, num_seqs: int = 1) -> tuple[int, float]:
+        v = self.verify_cost_at(num_seqs)
+        gains = [(self.expected_tokens(acceptance, k) / ((1 + k * v) * (1 + k * self.draft_cost)), k)
                  for k in range(1, self.max_k + 1)]
         gain, k = max(gains)
         return k, gain
 
-    def wanted_k(self, seq: Sequence) -> int:
+    def wanted_k(self, seq: Sequence, num_seqs: int = 1) -> int:
         if not self.adaptive:
             return self.max_k
         if seq.spec_cooldown > 0:
             seq.spec_cooldown -= 1
             return 1 if seq.spec_cooldown == 0 else 0  # the probe
-        k, gain = self.best_k(seq.spec_acceptance)
+        k, gain = self.best_k(seq.spec_acceptance, num_seqs)
         if gain < self.min_gain:
             # each failed probe doubles the wait (16, 32, ... 1024 steps): a probe of a model draft costs a
             # catch-up forward, and a sequence where drafting does not pay should not keep paying for probes
@@ -85,7 +118,13 @@ class SpeculationPolicy:
         spare = self.max_verify_tokens - step_tokens
         if spare <= 0 or not candidates:
             return ks
-        wants = [min(self.wanted_k(seq), cap) for seq, cap in candidates]
+        n = len(candidates)
+        if self.adaptive and step_tokens == n:  # a decode-only step: its plain time is what v is measured against
+            seen = self._decode_steps.get(n, 0)
+            self._decode_steps[n] = seen + 1
+            if n not in self._plain_step or seen % PLAIN_REFRESH_STEPS == PLAIN_REFRESH_STEPS - 1:
+                return ks
+        wants = [min(self.wanted_k(seq, n), cap) for seq, cap in candidates]
         order = sorted(range(len(candidates)), key=lambda i: -candidates[i][0].spec_acceptance)
         while spare > 0:
             given = False
@@ -126,4 +165,6 @@ class SpeculationPolicy:
             # clamped: on a shared machine one descheduled step can look 10x slower and would switch
             # speculation off for a long time on its own
             v = min(max(0.0, verify_seconds / plain - 1.0) / (extra_tokens / num_seqs), 1.0)
-            self.verify_cost += self.smoothing * (v - self.verify_cost)
+            old = self.verify_cost_at(num_seqs)
+            self._verify_costs[num_seqs] = old + self.smoothing * (v - old)
+            self._last_batch = num_seqs
