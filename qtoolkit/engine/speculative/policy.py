@@ -10,6 +10,11 @@ cheaper than the target; v starts at 0.125 (MEASUREMENTS.md: fp32 verification o
 average of ~8 on this 2-core machine, where speculation then stops paying). When no k reaches a speedup of `min_gain` the sequence decodes
 plainly for a few steps and then probes again with k = 1 (which also refreshes a and r).
 
+v is kept per number of sequences in the step: at batch 1 a draft token added ~0.1 of a plain step on this CPU,
+at batch 4 ~0.4, so a draft that pays for one stream is switched off at four. A batch size whose plain step has
+not been timed gets one plain step first, and one decode-only step in PLAIN_REFRESH_STEPS stays plain to keep
+that time fresh.
+
 Per step, speculation only fills the part of the batch where extra tokens are (nearly) free: a verification
 forward's cost grows with the total number of tokens in the step, so proposals are added only while the step
 holds at most `max_verify_tokens` tokens. Past that the batch itself keeps the matmuls busy and speculating
