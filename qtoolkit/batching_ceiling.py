@@ -28,8 +28,10 @@ def step_time_curve(points: Sequence[tuple[int, float]]) -> Callable[[int], floa
     ys = np.array([p[1] for p in pts], dtype=float)
 
     def at(b: int) -> float:
-        if b <= xs[0] or len(xs) == 1:
-            return float(ys[0]) if b <= xs[0] else float(ys[0] * b / xs[0])
+        if b <= xs[0]:
+            return float(ys[0])
+        if len(xs) == 1:
+            return float(ys[0] * b / xs[0])
         if b <= xs[-1]:
             return float(np.interp(b, xs, ys))
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])

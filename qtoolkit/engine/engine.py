@@ -402,7 +402,6 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions, "prefix_cache_hit_tokens": bm.num_prefix_hits,
             **self.counters,
             **({"speculative": {**self.spec_metrics.as_dict(), "draft_cost_ratio": self.spec_policy.draft_cost,
-                                "verify_cost_per_token": self.spec_policy.verify_cost,
-                                "verify_cost_by_batch": self.spec_policy.verify_costs()}}
+                                "verify_cost_per_token": self.spec_policy.verify_cost}}
                if self.spec_metrics is not None else {}),
         }

@@ -86,9 +86,6 @@ class SpeculationPolicy:
         below = [n for n in self._verify_costs if n < num_seqs]
         return self._verify_costs[max(below)] if below else self._verify_prior
 
-    def verify_costs(self) -> dict[int, float]:
-        return dict(sorted(self._verify_costs.items()))
-
     def best_k(self, acceptance: float, num_seqs: int = 1) -> tuple[int, float]:
         v = self.verify_cost_at(num_seqs)
         gains = [(self.expected_tokens(acceptance, k) / ((1 + k * v) * (1 + k * self.draft_cost)), k)
