@@ -1,4 +1,4 @@
-"""Paired bootstrap CIs, pass@k and the llama.cpp-style token statistics on data with known answers."""
+"""Paired CIs (bootstrap, Newcombe, t), pass@k and the llama.cpp-style token statistics on data with known answers."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_bootstrap_ci_is_seeded_and_covers_the_mean():
 
 
 def test_weighted_bootstrap_uses_ratio_of_sums():
-    ci = bootstrap_ci([1.0, 3.0], [3.0, 1.0], seed=0, n_resamples=4000)
+    ci = bootstrap_ci([1.0, 3.0], [3.0, 1.0], seed=0, n_resamples=4000, method="percentile")
     assert 1.0 <= ci[0] <= 1.5 and 2.5 <= ci[1] <= 3.0
 
 
@@ -85,3 +85,60 @@ def test_missing_distributions_are_reported_not_guessed():
     assert "kld" not in s and "same_top1" not in s
     assert len(s["not_computed"]) == 2
     assert s["ln_ppl_ratio"]["mean_pm"][0] == pytest.approx(0.1, abs=1e-5)  # the baseline is better
+
+
+def test_bca_matches_scipy_and_is_not_the_percentile_interval():
+    from scipy.stats import bootstrap
+
+    x = np.random.default_rng(3).gamma(3.0, size=20)  # skewed but without lone outliers (a lumpy bootstrap)
+    ours = bootstrap_ci(x, seed=1, n_resamples=8000, method="bca")
+    ref = bootstrap((x,), np.mean, method="BCa", n_resamples=8000, random_state=1).confidence_interval
+    assert ours == pytest.approx([ref.low, ref.high], rel=0.02)
+    assert ours != pytest.approx(bootstrap_ci(x, seed=1, n_resamples=8000, method="percentile"), rel=0.01)
+
+
+def test_paired_delta_names_its_method_and_coverage():
+    rng = np.random.default_rng(0)
+    base = rng.normal(1.0, 0.2, size=8)
+    d = paired_delta(base + rng.normal(0.05, 0.02, size=8), base, [50, 60, 70, 80, 90, 100, 110, 120], seed=0)
+    assert set(d) >= {"candidate", "baseline", "delta", "ci95", "items", "ci_method", "ci_coverage", "ci_reliable"}
+    assert d["ci_reliable"] is True and d["ci_coverage"] >= 0.93 and d["ci_method"]
+    assert d["ci95"][0] < d["delta"] < d["ci95"][1]
+    tiny = paired_delta([1.0, 2.0], [1.5, 1.0], seed=0)
+    assert tiny["ci_reliable"] is False and tiny["ci_coverage"] is None  # below the simulated sizes
+
+
+def test_binary_deltas_never_collapse_to_a_point():
+    # 8 problems failed by both models: the old percentile bootstrap said [0, 0]
+    d = paired_delta([0] * 8, [0] * 8, seed=0)
+    assert d["delta"] == 0 and "Newcombe" in d["ci_method"]
+    assert d["ci95"][0] == pytest.approx(-0.3244, abs=1e-3) and d["ci95"][1] == pytest.approx(0.3244, abs=1e-3)
+    one = paired_delta([1, 0, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0], seed=0)  # one flip out of 8
+    assert one["ci95"][0] < -0.125 < one["ci95"][1] and one["ci95"][1] > 0
+    assert paired_delta([True] * 40, [True] * 40, seed=0)["ci95"][1] < d["ci95"][1]  # more items, narrower
+
+
+def test_ratio_over_rounds_reports_its_coverage():
+    from qtoolkit.evals.stats import ratio_over_rounds
+
+    r = ratio_over_rounds([13.9, 12.1, 11.1, 15.4, 14.9], [10.0] * 5)
+    assert r["ci_reliable"] is True and r["ci_coverage"] >= 0.93 and "round" in r["ci_method"]
+    assert ratio_over_rounds([12.0], [10.0])["ci_reliable"] is False
+
+
+def test_token_statistics_are_clustered_by_item():
+    """Two items whose tokens disagree as blocks: the item interval is far wider than the token `±`."""
+    lo = token_item_record(torch.full((200,), -1.0), torch.full((200,), -1.0))
+    hi = token_item_record(torch.full((200,), -1.5), torch.full((200,), -1.0))
+    rng = np.random.default_rng(0)
+    recs = []
+    for i in range(8):
+        r = dict(hi if i % 2 else lo)
+        r["kld"] = (rng.lognormal(-4, 1, 200) * (3 if i % 2 else 1)).tolist()
+        recs.append(r)
+    s = token_stats(recs, seed=0)
+    for key in ("kld", "ln_ppl_ratio", "ppl_ratio", "delta_p"):
+        assert {"ci95", "ci_method", "ci_coverage", "ci_reliable"} <= set(s[key])
+    kld = s["kld"]
+    assert kld["ci95"][1] - kld["ci95"][0] > 5 * 2 * 1.96 * kld["mean_pm"][1]
+    assert kld["ci95"][0] < kld["mean_pm"][0] < kld["ci95"][1]
