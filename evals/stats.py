@@ -93,6 +93,10 @@ def mean_ci(values: Sequence[float], weights: Sequence[float] | None = None, *, 
     w = None if weights is None else np.asarray(weights, dtype=np.float64)[None]
     counts = resample_counts(v.size, n_resamples, seed) if method in BOOTSTRAP_NEEDS_COUNTS else None
     lo, hi = BOOTSTRAP_METHODS[method](v[None], w, counts, confidence)
+    if not (np.isfinite(lo[0]) and np.isfinite(hi[0])):
+        # the bootstrap-t is unbounded when too many resamples have no spread: Student t, not vouched for
+        lo, hi = BOOTSTRAP_METHODS["t"](v[None], w, None, confidence)
+        return CI([float(lo[0]), float(hi[0])], "t", None, False)
     return CI([float(lo[0]), float(hi[0])], method, cov, ok)
 
 

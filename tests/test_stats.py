@@ -142,3 +142,12 @@ def test_token_statistics_are_clustered_by_item():
     kld = s["kld"]
     assert kld["ci95"][1] - kld["ci95"][0] > 5 * 2 * 1.96 * kld["mean_pm"][1]
     assert kld["ci95"][0] < kld["mean_pm"][0] < kld["ci95"][1]
+
+
+def test_identical_outputs_on_most_items_are_not_vouched_for():
+    """7 of 8 summaries identical: the ROUGE delta rests on one item, so no interval keeps its coverage."""
+    d = paired_delta([0.3] * 7 + [0.1], [0.3] * 7 + [0.4], seed=0)
+    assert d["ci_reliable"] is False
+    assert all(math.isfinite(x) for x in d["ci95"]) and d["ci95"][0] < d["delta"] < d["ci95"][1]
+    fine = paired_delta(np.linspace(0.1, 0.5, 8), np.linspace(0.1, 0.5, 8)[::-1], seed=0)
+    assert fine["ci_reliable"] is True
