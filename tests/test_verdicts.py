@@ -103,3 +103,26 @@ def test_crash_is_an_error_not_a_fail(tmp_path, capsys):
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("qtool: error: unexpected JSONDecodeError"), stderr
     rc, _, stderr = _signoff(tmp_path / "nothing", policy, capsys)
     assert rc == 2 and "holds no sign-off steps" in stderr
+
+
+def test_inconclusive_gate_draws_more_items_up_to_the_budget():
+    from qtoolkit.sequential import describe, draw_until_decisive, stages
+
+    assert stages(8, None) == [8] and stages(8, 8) == [8] and stages(8, 40) == [8, 16, 32, 40]
+    calls: list[tuple[int, bool]] = []
+    drawn = {"n": 0}
+
+    def run(items: int, overwrite: bool) -> None:
+        calls.append((items, overwrite))
+        drawn["n"] = items
+
+    def judge() -> tuple[list[str], list[str]]:  # the interval narrows with the items: decisive from 32 on
+        return ([] if drawn["n"] >= 32 else ["summarization.rougeL_drop"]), []
+
+    looks = draw_until_decisive(run, judge, 8, 64, resume=False)
+    assert calls == [(8, True), (16, False), (32, False)]  # later looks resume: finished items are reused
+    info = describe(looks, 64)
+    assert [x["items"] for x in info["looks"]] == [8, 16, 32] and info["error_rate_bound"] == pytest.approx(0.15)
+    calls.clear()
+    assert len(draw_until_decisive(run, lambda: ([], ["code.kld_mean"]), 8, 64, resume=True)) == 1
+    assert calls == [(8, False)]  # a failed gate decides at once
