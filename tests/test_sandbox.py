@@ -116,14 +116,29 @@ def _alive(marker: str) -> bool:
     return False
 
 
-def test_fail_closed_without_bubblewrap(monkeypatch):
+def test_fail_closed_without_bubblewrap(monkeypatch, tmp_path, capsys):
     from qtoolkit.evals import sandbox_layers
+
+    from qtoolkit.cli import main
 
     monkeypatch.setattr(sandbox_layers, "probe", lambda: {"bubblewrap": False, "missing": ["bubblewrap (test)"],
                                                           "network_namespace": False, "landlock": False})
     with pytest.raises(SandboxUnavailable, match="missing bubblewrap.*--allow-weak-sandbox"):
         require()
     assert require(allow_weak=True).mode == "weak"
+    problem = humaneval_problems()[0]
+    samples = tmp_path / "s.jsonl"
+    samples.write_text(json.dumps({"task_id": problem["task_id"], "completion": problem["canonical_solution"]}))
+    for argv in (["eval", "--task", "code", "--completions", str(samples), "--output", str(tmp_path / "e.json")],
+                 ["signoff", "--model", "default", "--recipe", "fp8-dynamic", "--output", str(tmp_path / "so")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "missing bubblewrap (test)" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.jsonl"]  # nothing written, nothing run
+    assert main(["eval", "--task", "code", "--completions", str(samples), "--output", str(tmp_path / "e.json"),
+                 "--allow-weak-sandbox"]) == 0
+    summary = json.loads((tmp_path / "e.json").read_text())["tasks"]["code_completions"]["summary"]
+    assert summary["isolation"]["mode"] == "weak" and summary["pass@k"]["pass@1"] == 1.0
 
 
 def test_weak_mode_still_scores_by_token():

@@ -23,7 +23,8 @@ def _kld(lo: float, hi: float, **extra) -> dict:
 
 
 def _summary(kld: dict, cand: list[int], base: list[int]) -> dict:
-    return {"pass@1": paired_delta(cand, base, seed=0), "text_stats": {"kld": kld}}
+    return {"pass@1": paired_delta(cand, base, seed=0), "text_stats": {"kld": kld},
+            "isolation": {"mode": "bubblewrap", "layers": ["pid namespace", "mount namespace"], "missing": []}}
 
 
 @pytest.mark.parametrize("kld, verdict", [
@@ -90,6 +91,7 @@ def test_verdict_paths_through_the_cli(tmp_path, capsys, kld, code, word):
     md = (out / "report.md").read_text()
     assert "no evidence (not required)" in md and "code quality on this model rests on code.kld_mean" in md
     assert "could detect" in md and "CI half-width" in md
+    assert "Model-written code ran under bubblewrap: pid namespace, mount namespace" in md
 
 
 def test_crash_is_an_error_not_a_fail(tmp_path, capsys):
