@@ -124,10 +124,10 @@ def reading(gates: list[Any], evals: dict[str, Any] | None, sequential: dict[str
     if sequential:
         looks, budget = sequential["looks"], sequential.get("max_items")
         sizes = " -> ".join(str(x["items"]) for x in looks)
-        notes.append(f"Sample size: items per task {sizes} over {len(looks)} look(s) (budget --max-items "
-                     f"{budget}). While a required quality gate is inconclusive and none has failed, the items "
-                     "double up to the budget, reusing finished ones; with K looks at 95% each, a decisive gate "
-                     f"is wrong with probability at most K x 5% = {sequential['error_rate_bound']:.0%}.")
+        notes.append(f"Sample size: {sizes} items over {len(looks)} look(s) (budget --max-items {budget}). While "
+                     "a required quality gate is inconclusive and none has failed, the items of the undecided "
+                     "tasks double up to the budget, reusing finished ones; with K looks at 95% each, a decisive "
+                     f"gate is wrong with probability at most K x 5% = {sequential['error_rate_bound']:.0%}.")
     code = ((evals or {}).get("tasks", {}).get("code") or {}).get("summary") or {}
     iso = code.get("isolation")
     if iso:

@@ -202,10 +202,10 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     def do_eval() -> None:
         from qtoolkit.evals.runner import EvalConfig, evaluate
 
-        def run(items: int, overwrite: bool) -> None:
+        def run(items: int, overwrite: bool, only: list[str] | None) -> None:
             # eval.json is written per batch: a rerun with the same inputs resumes its finished items, and a
             # further look reuses the items of the looks before it
-            evaluate(EvalConfig(model=str(ckpt), baseline=str(source.path), tasks=tasks,
+            evaluate(EvalConfig(model=str(ckpt), baseline=str(source.path), tasks=",".join(only) if only else tasks,
                                 output=str(out / "eval.json"), limit=items, endpoint=cfg.endpoint, seed=cfg.seed,
                                 overwrite=overwrite, task_options={"allow_weak_sandbox": cfg.allow_weak_sandbox}))
 

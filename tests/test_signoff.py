@@ -83,6 +83,23 @@ def test_failing_policy_gate_gives_fail_and_names_it(run_dir, tiny_model_dir, tm
     assert report["verdict"] == "FAIL" and any("code.kld_mean" in r for r in report["reasons"])
 
 
+def test_inconclusive_gate_draws_more_items(run_dir, tiny_model_dir, tmp_path, capsys):
+    """A bound at the measured KLD itself straddles its CI: the sign-off draws more code items, up to the budget."""
+    first = json.loads((run_dir / "report.json").read_text())
+    point = next(g["point"] for g in first["gates"] if g["name"] == "code.kld_mean")
+    tight = tmp_path / "tight.yaml"
+    tight.write_text(f"version: 1\nname: tight\ntasks:\n  code:\n    kld_mean: {{max: {point}}}\n")
+    out = tmp_path / "copy"
+    shutil.copytree(run_dir, out)
+    args = ["--limit", "2", "--max-items", "4", "--concurrency", "1,2", "--num-requests", "2"]
+    main(["signoff", "--model", str(tiny_model_dir), "--recipe", "int4-rtn", "--policy", str(tight), *args,
+          "--output", str(out)])
+    seq = json.loads((out / "sequential.json").read_text())
+    assert [x["items"] for x in seq["looks"]] == [2, 4] and seq["error_rate_bound"] == pytest.approx(0.1)
+    assert json.loads((out / "eval.json").read_text())["tasks"]["code"]["items"] == 4
+    assert "2 -> 4 items over 2 look(s)" in (out / "report.md").read_text()
+
+
 def test_recipe_that_fails_to_quantize_still_reports(tiny_model_dir, tmp_path):
     bad = tmp_path / "g128.yaml"  # the tiny model's K = 64 is not divisible by 128
     bad.write_text("name: g128\nquantization:\n  modifier: QuantizationModifier\n  scheme: W4A16\n")

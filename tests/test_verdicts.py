@@ -114,17 +114,18 @@ def test_inconclusive_gate_draws_more_items_up_to_the_budget():
     calls: list[tuple[int, bool]] = []
     drawn = {"n": 0}
 
-    def run(items: int, overwrite: bool) -> None:
-        calls.append((items, overwrite))
+    def run(items: int, overwrite: bool, tasks: list[str] | None) -> None:
+        calls.append((items, overwrite, tasks))
         drawn["n"] = items
 
     def judge() -> tuple[list[str], list[str]]:  # the interval narrows with the items: decisive from 32 on
         return ([] if drawn["n"] >= 32 else ["summarization.rougeL_drop"]), []
 
     looks = draw_until_decisive(run, judge, 8, 64, resume=False)
-    assert calls == [(8, True), (16, False), (32, False)]  # later looks resume: finished items are reused
+    # later looks resume (finished items are reused) and draw only for the task whose gate is undecided
+    assert calls == [(8, True, None), (16, False, ["summarization"]), (32, False, ["summarization"])]
     info = describe(looks, 64)
     assert [x["items"] for x in info["looks"]] == [8, 16, 32] and info["error_rate_bound"] == pytest.approx(0.15)
     calls.clear()
     assert len(draw_until_decisive(run, lambda: ([], ["code.kld_mean"]), 8, 64, resume=True)) == 1
-    assert calls == [(8, False)]  # a failed gate decides at once
+    assert calls == [(8, False, None)]  # a failed gate decides at once
