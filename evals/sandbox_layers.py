@@ -25,11 +25,18 @@ import resource
 import shutil
 import subprocess
 import sys
+import time
 from functools import lru_cache
 
 from . import landlock
 
-SANDBOX_UID = 61999  # a uid no account uses, so RLIMIT_NPROC counts only sandboxed tasks
+SANDBOX_UID_BASE = 2_000_000  # + the evaluator's pid: a uid no account uses, one per evaluator process
+
+
+def sandbox_uid(evaluator_pid: int | None = None) -> int:
+    """The uid programs of this evaluator run as (as root): RLIMIT_NPROC then counts only their tasks, and two
+    evaluators running at once do not share the bound."""
+    return SANDBOX_UID_BASE + (os.getpid() if evaluator_pid is None else evaluator_pid)
 _CLONE_NEWNET, _CLONE_NEWUSER = 0x40000000, 0x10000000
 
 
@@ -64,8 +71,9 @@ def bwrap_command(python_args: list[str], tmp_bytes: int) -> list[str]:
     cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp",
             "--chdir", "/tmp", "--clearenv"]
     if os.geteuid() == 0:
-        cmd += ["--", shutil.which("setpriv") or "/usr/bin/setpriv", f"--reuid={SANDBOX_UID}",
-                f"--regid={SANDBOX_UID}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
+        uid = sandbox_uid()
+        cmd += ["--", shutil.which("setpriv") or "/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}",
+                "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
                 "--no-new-privs"]
     else:
         cmd += ["--unshare-user", "--disable-userns", "--cap-drop", "ALL", "--"]
@@ -113,8 +121,15 @@ def _probe(fn) -> bool:
             os._exit(0)
         except BaseException:
             os._exit(1)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 0
+    deadline = time.monotonic() + 10.0  # every wait is bounded, even this one
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status) == 0
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return False
 
 
 @lru_cache(maxsize=1)

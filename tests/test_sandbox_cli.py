@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from qtoolkit.evals.data import humaneval_problems
 from qtoolkit.evals.sandbox import isolation
-from qtoolkit.evals.sandbox_layers import SANDBOX_UID
+from qtoolkit.evals.sandbox_layers import sandbox_uid
 from test_sandbox import SPAWN, _alive
 
 pytestmark = pytest.mark.skipif(not isolation()["bubblewrap"], reason=f"no bubblewrap: {isolation()['missing']}")
@@ -101,14 +101,14 @@ def battery(tmp: Path, results: Path, sock: Path, abstract: str, home_marker: Pa
     }
 
 
-def _sandbox_tasks() -> list[str]:
+def _sandbox_tasks(uid: int) -> list[str]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
-        if f"Uid:\t{SANDBOX_UID}\t" in status:
+        if f"Uid:\t{uid}\t" in status:
             found.append(pid)
     return found
 
@@ -127,15 +127,17 @@ def test_hostile_battery_through_the_cli(tmp_path):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         env = {**os.environ, "QTOOL_SECRET": "SECRET-ENV"}
         start = time.monotonic()
-        proc = subprocess.run([sys.executable, "-c", _WRAP, "eval", "--task", "code", "--completions", str(path),
-                               "--output", str(results)], capture_output=True, text=True, timeout=300, env=env)
+        proc = subprocess.Popen([sys.executable, "-c", _WRAP, "eval", "--task", "code", "--completions", str(path),
+                                 "--output", str(results)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=env)
+        _, err = proc.communicate(timeout=300)
         elapsed = time.monotonic() - start
     finally:
         listener.close()
         home_marker.unlink()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    rss_mib = int(proc.stderr.strip().splitlines()[-1].split()[1]) / 1024
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    rss_mib = int(err.strip().splitlines()[-1].split()[1]) / 1024
     assert rss_mib < 1024, rss_mib  # output is read with a cap: a flood does not grow the evaluator
     assert elapsed < 12 * len(rows), elapsed
     data = json.loads(results.read_text())
@@ -149,5 +151,5 @@ def test_hostile_battery_through_the_cli(tmp_path):
     text = results.read_text()
     assert "SECRET" not in text
     assert not (tmp_path / "outside.txt").exists()
-    assert not _alive("QTOOLMARK") and _sandbox_tasks() == []
+    assert not _alive("QTOOLMARK") and _sandbox_tasks(sandbox_uid(proc.pid)) == []
     assert data["tasks"]["code_completions"]["summary"]["isolation"]["mode"] == "bubblewrap"
