@@ -26,7 +26,7 @@ from qtoolkit.errors import QToolError
 
 from . import sandbox_layers
 from .sandbox_io import collect
-from .sandbox_runner import RUNNER
+from .sandbox_runner import FAILED, RUNNER
 
 _OUTPUT_KEEP = 4000  # bytes of stdout/stderr kept per program (the tail, where a traceback ends)
 EXITED_EARLY = "exited before the tests ran"
@@ -140,4 +140,4 @@ def _status(passed: bool, rc: int | None, timed_out: bool, exceeded: bool) -> st
         return "output limit"
     if rc is None or rc < 0 or rc > 128:  # a signal (bwrap reports a signalled child as 128 + n)
         return "killed"
-    return "failed" if rc == 1 else EXITED_EARLY
+    return "failed" if rc == FAILED else EXITED_EARLY  # any other exit without the token left early

@@ -37,7 +37,7 @@ def _main():
         codes = [compile(part, f"<part {i}>", "exec") for i, part in enumerate(spec.pop("parts"))]
     except BaseException:
         _print_exc()
-        _exit(1)
+        _exit(101)
     if spec["audit_hook"]:
         _install_hook(os.getcwd())
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
@@ -49,7 +49,7 @@ def _main():
             _flush()
             _print_exc()
         finally:
-            _exit(1)
+            _exit(101)
     except BaseException as e:  # SystemExit, KeyboardInterrupt: the tests did not complete
         try:
             _flush()
@@ -107,4 +107,5 @@ def _install_hook(root):
 _main()
 """
 
+FAILED = 101  # the runner's exit status when the program raised (a traceback is on stderr)
 EXITED = 3  # the runner's exit status when the program raised SystemExit (or similar) before finishing

@@ -43,13 +43,14 @@ def test_failing_assertion_is_scored_failed():
     "import atexit, os; atexit.register(os._exit, 0)",
     "import sys, os; sys.excepthook = lambda *a: os._exit(0)",
     "import sys, os; sys.excepthook = lambda *a: os._exit(0); raise ValueError",
-    "import os; os.write(1, b'passed\\n'); os._exit(0)",
+    "import os; os.write(1, b'passed\\n'); os._exit(0)", "import os; os._exit(1)",
 ])
 def test_early_exit_is_never_a_pass(body):
     """The tests (the last part) never finish: whatever the exit code, the item fails."""
     r = run_program([body, "raise AssertionError"], FAST)
     assert not r.passed, (body, r.status)
-    assert r.status in (EXITED_EARLY, "failed"), r.status
+    # a hook set for later never runs: the tests fail and the runner leaves before atexit or excepthook
+    assert r.status == ("failed" if "hook" in body or "atexit" in body else EXITED_EARLY), r.status
 
 
 def test_parts_cannot_swallow_the_tests():
