@@ -64,7 +64,7 @@ def no_evidence(node: Any, min_share: float | None) -> str | None:
         return None
     base, cand, n = node["baseline"], node.get("candidate"), node.get("items", "?")
     if min_share is not None and base < min_share:
-        return f"the baseline solves {base:.0%} of {n} items (the policy asks {min_share:.0%} for this gate)"
+        return f"the baseline solves {base:.0%} of {n} items, under the {min_share:.0%} the policy asks for this gate"
     if base == 0 and cand == 0:
         return f"both models solve none of the {n} items"
     return None
