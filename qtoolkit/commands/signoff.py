@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-# ACLSum ROUGE-L's per-item deltas spread ~0.09 (fp8-dynamic, 8 items): the CI half-width is ~0.06 at 8 items and
-# ~0.02 at 64, narrow enough to decide against the default policy's 0.05 bound unless the drop is near it
+# ACLSum ROUGE-L's per-item deltas spread ~0.09 (measurements/2026-12-01/rougeL-fp8-8items.json): the CI
+# half-width is ~0.06 at 8 items and ~0.02 at 64, narrow enough to decide against the default policy's 0.05 bound
+# unless the drop is near it
 DEFAULT_MAX_ITEMS = 64
 HELP = ("one command from model + recipe to a release verdict (PASS/FAIL/INCONCLUSIVE) with a layer-by-layer "
         "ablation report")
