@@ -41,6 +41,8 @@ def judge_interval(point: float | None, lo: float | None, hi: float | None, *, m
     if lo is None or hi is None:
         lo = hi = point
         resolution = "judged on a point, no interval"
+    elif hi == lo:  # every item gave the same delta: the bootstrap cannot bound the noise
+        resolution = f"zero-width interval{n_text.replace(',', ':', 1)}: no resolution can be stated"
     else:
         resolution = f"detects a violation larger than {_fmt((hi - lo) / 2)} (CI half-width{n_text})"
     worst, best = (hi, lo) if max_ is not None else (lo, hi)
