@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from . import backend
 from .backend import BackendError, Generation, GenParams, Scored, ScoringUnsupported, load_tokenizer
 
 
@@ -75,13 +76,20 @@ class OpenAIBackend:
         def one(prompt: str) -> Generation:
             body = {"prompt": prompt, "max_tokens": params.max_tokens, "temperature": params.temperature}
             if params.stop:
-                body["stop"] = params.stop[:4]  # the OpenAI API accepts at most 4 stop strings
+                body["stop"] = list(params.stop)  # every stop string, as the in-process backends get them
             if params.seed is not None:
                 body["seed"] = params.seed
-            choice = self._complete(body)["choices"][0]
-            text = choice.get("text", "")
+            try:
+                choice = self._complete(body)["choices"][0]
+            except RequestRefused:
+                if len(params.stop) <= 4:
+                    raise
+                body["stop"] = params.stop[:4]  # OpenAI's own API takes at most 4; the rest apply below
+                choice = self._complete(body)["choices"][0]
+            # stops also apply here, so the text ends where the other backends' text ends whatever the server did
+            text, cut = backend.truncate_at_stop(choice.get("text", ""), params.stop)
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
-            return Generation(text, ids, choice.get("finish_reason") or "length")
+            return Generation(text, ids, "stop" if cut else choice.get("finish_reason") or "length")
 
         with ThreadPoolExecutor(self.concurrency) as pool:
             return list(pool.map(one, prompts))

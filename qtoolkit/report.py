@@ -13,6 +13,13 @@ from typing import Any
 from .io import write_json
 
 _STATUS = {True: "PASS", False: "FAIL"}
+_COLORS = {"PASS": "#1a7f37", "FAIL": "#cf222e", "INCONCLUSIVE": "#9a6700"}
+
+
+def _verdict(g: dict[str, Any]) -> str:
+    """A gate's verdict as shown: PASS / FAIL / INCONCLUSIVE / no evidence (older reports: passed only)."""
+    v = g.get("verdict") or _STATUS[g["passed"]]
+    return "no evidence" + ("" if g.get("required", True) else " (not required)") if v == "NO EVIDENCE" else v
 
 
 def _fmt(v: Any, digits: int = 4) -> str:
@@ -68,7 +75,7 @@ def plot_quality(report: dict[str, Any]) -> str | None:
         task, metric = g["name"].split(".", 1)
         bound = bounds[task][metric]
         limit = bound.get("max") if bound.get("max") is not None else bound.get("min")
-        color = "tab:green" if g["passed"] else "tab:red"
+        color = {"PASS": "tab:green", "FAIL": "tab:red"}.get(g.get("verdict") or _STATUS[g["passed"]], "tab:orange")
         if g["point"] is not None:
             lo, hi = sorted((g["point"], g["judged"]))
             ax.errorbar([g["point"]], [0], xerr=[[g["point"] - lo], [hi - g["point"]]], fmt="o", color=color,
@@ -164,9 +171,13 @@ def markdown(report: dict[str, Any]) -> str:
              f"({report['created']}).", ""]
     if report["reasons"]:
         lines += ["## Why it fails", ""] + [f"- {r}" for r in report["reasons"]] + [""]
-    lines += ["## Gates", "", "| gate | result | point | judged (CI bound) | detail |", "|---|---|---|---|---|"]
-    lines += [f"| {g['name']} | {_STATUS[g['passed']]} | {_fmt(g['point'])} | {_fmt(g['judged'])} | {g['detail']} |"
+    lines += ["## Gates", "", "| gate | result | point | judged (CI bound) | detail | could detect |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {g['name']} | {_verdict(g)} | {_fmt(g['point'])} | {_fmt(g['judged'])} | {g['detail']} | "
+              f"{g.get('resolution', '')}{' (' + g['ci_method'] + ')' if g.get('ci_method') else ''} |"
               for g in report["gates"]]
+    if report.get("reading"):
+        lines += ["", "## How to read this verdict", ""] + [f"- {n}" for n in report["reading"]]
     lines += ["", "## Steps", "", "| step | status | seconds | note |", "|---|---|---|---|"]
     for name, s in report["steps"].items():
         note = s.get("error", "reused" if s.get("skipped") else "")
@@ -270,7 +281,7 @@ def _inline(text: str) -> str:
 
 
 def html_report(report: dict[str, Any], md: str, plots: dict[str, str | None]) -> str:
-    color = "#1a7f37" if report["verdict"] == "PASS" else "#cf222e"
+    color = _COLORS.get(report["verdict"], "#cf222e")
     figs = "".join(f"<figure><img alt='{name}' id='plot-{name}' src='data:image/png;base64,{data}'/></figure>"
                    for name, data in plots.items() if data)
     body = _md_to_html(md)

@@ -15,12 +15,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import gates as verdicts
 from .errors import QToolError
 from .io import write_json
-from .policy import METRICS, Bound, Policy, check_bound, load_policy, read_metric
+from .policy import METRICS, Policy, load_policy, metric_node, read_metric
 from .progress import status
 from .provenance import provenance, text_sha256
 from .recipe import load_recipe
+from .sequential import describe, draw_until_decisive
 from .sources import resolve_model
 
 STEPS = ("quantize", "eval", "bench", "diagnose")
@@ -41,6 +43,9 @@ class SignoffConfig:
     diagnose_batches: tuple[int, ...] = (1, 8)
     seed: int = 0
     rounds: int = 5  # of the throughput gates' systems at the top tier: the gates judge their spread
+    max_items: int | None = None  # budget of items per task when a quality gate is inconclusive (qtoolkit/sequential.py)
+    allow_weak_sandbox: bool = False  # run model-written code even where bubblewrap cannot
+    rejudge: bool = False  # decide again from the step outputs in `output`, running nothing
 
 
 @dataclass
@@ -50,6 +55,15 @@ class Gate:
     detail: str
     point: float | None = None
     judged: float | None = None
+    verdict: str = ""  # PASS | FAIL | INCONCLUSIVE | NO EVIDENCE (qtoolkit/gates.py)
+    required: bool = True
+    resolution: str = ""  # the smallest violation the gate could detect at the sample size used
+    ci_method: str | None = None
+
+    @classmethod
+    def of(cls, name: str, j: verdicts.Judgement, point: float | None = None, judged: float | None = None) -> Gate:
+        return cls(name, j.verdict == verdicts.PASS, j.detail, point, judged, j.verdict, j.required, j.resolution,
+                   j.ci_method)
 
 
 class StepRunner:
@@ -109,11 +123,15 @@ def evaluate_gates(policy: Policy, evals: dict[str, Any] | None, ablation: dict[
         for metric_name, bound in bounds.items():
             name = f"{task}.{metric_name}"
             if summary is None:
-                gates.append(Gate(name, False, f"no {task} evaluation results"))
+                gates.append(Gate(name, False, f"no {task} evaluation results", verdict=verdicts.NO_EVIDENCE,
+                                  required=bound.required))
                 continue
-            point, judged = read_metric(summary, METRICS[task][metric_name])
-            ok, detail = check_bound(judged, bound)
-            gates.append(Gate(name, ok, detail, point, judged))
+            metric = METRICS[task][metric_name]
+            point, judged = read_metric(summary, metric)
+            j = verdicts.judge_quality(metric_node(summary, metric), metric.sign, metric.worst == "point",
+                                       max_=bound.max, min_=bound.min, min_share=bound.min_baseline_share,
+                                       required=bound.required)
+            gates.append(Gate.of(name, j, point, judged))
     tiers = (ablation or {}).get("tiers") or []
     top = tiers[-1] if tiers else {}  # throughput is judged at the highest concurrency tier
     where = f" at concurrency {top['concurrency']}" if top else ""
@@ -122,35 +140,43 @@ def evaluate_gates(policy: Policy, evals: dict[str, Any] | None, ablation: dict[
         if limit is None:
             continue
         point = judged = top.get(key)
-        how = ""
+        how, lo, hi = "", None, None
         rounds = top.get(f"{key}_rounds")
         if rounds and rounds.get("ci95"):  # like the quality gates: the CI end worst for the candidate
             point, judged = rounds["ratio"], rounds["ci95"][0]
+            lo, hi = rounds["ci95"]
             how = f" (lower 95% bound over {rounds['rounds']} rounds)"
-        ok, detail = check_bound(judged, Bound(min=limit))
-        gates.append(Gate(f"throughput.{attr}", ok, detail + where + how, point, judged))
+        j = verdicts.judge_interval(point, lo, hi, max_=None, min_=limit,
+                                    n_text=f", {rounds['rounds']} rounds" if lo is not None else "")
+        j.detail += where + how
+        gates.append(Gate.of(f"throughput.{attr}", j, point, judged))
     totals = (quant or {}).get("totals", {})
     for attr, key in (("max_linear_ratio_vs_bf16", "linear_ratio_vs_bf16"), ("max_checkpoint_bytes", "checkpoint_bytes")):
         limit = getattr(policy.memory, attr)
         if limit is not None:
-            ok, detail = check_bound(totals.get(key), Bound(max=limit))
-            gates.append(Gate(f"memory.{attr}", ok, detail, totals.get(key), totals.get(key)))
+            j = verdicts.judge_interval(totals.get(key), None, None, max_=limit, min_=None)
+            gates.append(Gate.of(f"memory.{attr}", j, totals.get(key), totals.get(key)))
     return gates
 
 
 def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     """Run every step (or reuse it), decide, and write report.{json,md,html} into cfg.output."""
-    from .ablation import ablation_table
-    from .report import write_reports
-
     if cfg.limit <= 0:
         raise QToolError(f"--limit must be a positive number of items, got {cfg.limit}")
     if cfg.rounds <= 0:
         raise QToolError(f"--rounds must be a positive number of bench rounds, got {cfg.rounds}")
+    if cfg.max_items is not None and cfg.max_items < cfg.limit:
+        raise QToolError(f"--max-items ({cfg.max_items}) must be at least --limit ({cfg.limit})")
     policy = load_policy(cfg.policy)  # a bad policy is bad input: exit 2 before any work
+    if ("code" in policy.tasks or not policy.tasks) and not cfg.rejudge:
+        from qtoolkit.evals.sandbox import require
+
+        require(cfg.allow_weak_sandbox)  # fail closed before any work: model-written code needs the sandbox
+    out = Path(cfg.output)
+    if cfg.rejudge:
+        return _rejudge(cfg, policy, out)
     recipe = load_recipe(cfg.recipe)
     source = resolve_model(cfg.model)
-    out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     steps = StepRunner(out)
     ckpt = out / "checkpoint"
@@ -170,13 +196,28 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
 
     eval_inputs = {"candidate": cand_key, "baseline": source.sha256, "tasks": tasks, "limit": cfg.limit,
                    "endpoint": cfg.endpoint, "seed": cfg.seed}
+    if cfg.max_items and cfg.max_items > cfg.limit:  # how many items get drawn depends on the quality bounds
+        eval_inputs |= {"max_items": cfg.max_items, "quality_bounds": policy.model_dump()["tasks"]}
 
     def do_eval() -> None:
         from qtoolkit.evals.runner import EvalConfig, evaluate
 
-        # eval.json is written per batch: an interrupted run with the same inputs resumes its finished items
-        evaluate(EvalConfig(model=str(ckpt), baseline=str(source.path), tasks=tasks, output=str(out / "eval.json"),
-                            limit=cfg.limit, endpoint=cfg.endpoint, seed=cfg.seed, overwrite=not resume_eval))
+        def run(items: int, overwrite: bool, only: list[str] | None) -> None:
+            # eval.json is written per batch: a rerun with the same inputs resumes its finished items, and a
+            # further look reuses the items of the looks before it
+            evaluate(EvalConfig(model=str(ckpt), baseline=str(source.path), tasks=",".join(only) if only else tasks,
+                                output=str(out / "eval.json"), limit=items, endpoint=cfg.endpoint, seed=cfg.seed,
+                                overwrite=overwrite, task_options={"allow_weak_sandbox": cfg.allow_weak_sandbox}))
+
+        def judge() -> tuple[list[str], list[str]]:
+            quality = [g for g in evaluate_gates(policy, _load(out / "eval.json"), None, None)
+                       if g.name.split(".")[0] in policy.tasks]
+            undecided = (verdicts.INCONCLUSIVE, verdicts.NO_EVIDENCE)
+            return ([g.name for g in quality if g.required and g.verdict in undecided],
+                    [g.name for g in quality if g.verdict == verdicts.FAIL])
+
+        looks = draw_until_decisive(run, judge, cfg.limit, cfg.max_items, resume=resume_eval)
+        write_json(out / "sequential.json", describe(looks, cfg.max_items))
 
     if quant:
         resume_eval = steps.interrupted("eval", eval_inputs)
@@ -216,20 +257,41 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     results["diagnose"] = steps.run("diagnose", {"model": source.sha256, "batches": cfg.diagnose_batches},
                                     out / "diagnose.json", do_diagnose)
 
+    return _decide(cfg, policy, {"name": recipe.name, "sha256": recipe.sha256}, source.describe(), out, results,
+                   quant)
+
+
+def _rejudge(cfg: SignoffConfig, policy: Policy, out: Path) -> dict[str, Any]:
+    """Decide again from the step outputs already in `out` (e.g. under another policy); runs nothing."""
+    if not (out / "steps.json").is_file():
+        raise QToolError(f"{out} holds no sign-off steps (steps.json) to judge again: run `qtool signoff` first")
+    state = StepRunner(out).state
+    results = {n: state.get(n) or {"status": "error", "error": "never ran"} for n in STEPS}
+    quant = _load(out / "checkpoint" / "quantize_report.json") if results["quantize"]["status"] == "ok" else None
+    recipe = (quant or {}).get("recipe") or {"name": cfg.recipe, "sha256": None}
+    return _decide(cfg, policy, recipe, {"spec": cfg.model}, out, results, quant)
+
+
+def _decide(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: dict[str, Any], out: Path,
+            results: dict[str, dict[str, Any]], quant: dict[str, Any] | None) -> dict[str, Any]:
+    from .ablation import ablation_table
+    from .report import write_reports
+
     evals = _load(out / "eval.json") if results.get("eval", {}).get("status") == "ok" else None
     bench = _load(out / "bench.json") if results.get("bench", {}).get("status") == "ok" else None
     ablation = ablation_table(bench) if bench else None
     gates = evaluate_gates(policy, evals, ablation, quant)
     failed_steps = [n for n in STEPS if results.get(n, {}).get("status") != "ok"]
-    failed_gates = [g for g in gates if not g.passed]
-    verdict = "PASS" if not failed_steps and not failed_gates and gates else "FAIL"
+    verdict = verdicts.FAIL if failed_steps else verdicts.overall([(g.verdict, g.required) for g in gates])
     reasons = [f"step {n} failed: {results[n].get('error')}" for n in failed_steps]
-    reasons += [f"gate {g.name} failed: {g.detail}" for g in failed_gates]
+    reasons += [f"gate {g.name} {g.verdict.lower()}: {g.detail}" for g in gates
+                if g.verdict == verdicts.FAIL or (g.verdict != verdicts.PASS and g.required)]
     report = {
-        **provenance(model=source.describe(), recipe={"name": recipe.name, "sha256": recipe.sha256},
+        **provenance(model=model, recipe=recipe,
                      policy={"name": policy.name, "path": policy.source}),
         "verdict": verdict,
         "reasons": reasons,
+        "reading": verdicts.reading(gates, evals, _load(out / "sequential.json") if evals else None),
         "config": asdict(cfg),
         "policy": policy.model_dump(),
         "gates": [asdict(g) for g in gates],

@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, help="generation budget per item (task default if unset)")
     p.add_argument("--harness", choices=["qtoolkit", "lm-eval"], default="qtoolkit",
                    help="lm-eval: run lm-eval tasks (shipped YAMLs included) against the `qtoolkit` model")
+    p.add_argument("--allow-weak-sandbox", action="store_true",
+                   help="code: run model-written code even where bubblewrap cannot (weaker isolation, recorded)")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling and the bootstrap")
     p.add_argument("--output", "-o", default="eval.json", help="results JSON (written incrementally; a rerun resumes)")
     p.add_argument("--overwrite", action="store_true", help="discard existing results in --output instead of resuming")
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     if args.completions:
         from qtoolkit.evals.completions import score_completions
 
-        result = score_completions(args.completions, args.output, limit=args.limit, overwrite=args.overwrite)
+        result = score_completions(args.completions, args.output, limit=args.limit, overwrite=args.overwrite,
+                                   allow_weak_sandbox=args.allow_weak_sandbox)
         status(f"pass@k {result['summary']['pass@k']} over {result['summary']['problems']} problems -> {args.output}")
         return 0
     if args.harness == "lm-eval":
@@ -50,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from qtoolkit.evals.runner import EvalConfig, evaluate, summary_lines
 
-    options = {"samples": args.samples, "temperature": args.temperature}
+    options = {"samples": args.samples, "temperature": args.temperature,
+               "allow_weak_sandbox": args.allow_weak_sandbox}
     if args.max_tokens is not None:
         options["max_tokens"] = args.max_tokens
     cfg = EvalConfig(model=args.model, baseline=args.baseline, tasks=args.task, output=args.output,
