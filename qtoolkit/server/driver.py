@@ -111,8 +111,9 @@ class EngineDriver:
             while not self._stop.is_set() and self.stopped_reason is None:
                 self._iterate()
         except BaseException as e:  # noqa: BLE001 - whatever ends the thread must end admission with a reason
+            log.exception("the engine thread died")
             self._give_up(f"the engine thread died: {type(e).__name__}: {e}")
-            raise
+            return
         if self.stopped_reason is not None:
             self._drain_commands()
 
