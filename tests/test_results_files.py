@@ -131,3 +131,18 @@ def test_pickle_only_folders_are_refused_with_one_line(tmp_path):
     with pytest.raises(ModelSourceError, match="pickle weights are refused") as e:
         _check_folder(tmp_path)
     assert "pytorch_model.bin" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cli_runs_into_a_locked_output_fail_at_once_with_one_line(tiny_model_dir, tmp_path, capsys):
+    from qtoolkit.cli import main
+
+    out = tmp_path / "eval.json"
+    with lock_output(out):  # another run holds it (flock conflicts between two opens, even in one process)
+        rc = main(["eval", "--model", str(tiny_model_dir), "--baseline", str(tiny_model_dir), "--task", "code",
+                   "--limit", "1", "--output", str(out)])
+        assert rc == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"pid {os.getpid()}" in err[0] and "eval.json" in err[0]
+        rc = main(["serve", "--model", str(tiny_model_dir), "--metrics-need-key"])
+        assert rc == 2 and "--api-key" in capsys.readouterr().err
+    assert not out.exists()
