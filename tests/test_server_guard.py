@@ -87,6 +87,7 @@ BOUNDED = [
     ({"stop": ["ok", ""]}, "stop"),
     ({"seed": 2**64}, "seed"),
     ({"seed": -1}, "seed"),
+    ({"top_k": 2**70}, "top_k"),
     ({"prompt": ["a"] * 257}, "prompt"),
     ({"n": 17}, "n"),
 ]

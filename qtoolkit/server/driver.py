@@ -206,7 +206,8 @@ class EngineDriver:
         self._failures_in_a_row += 1
         log.error("engine loop iteration failed (%d in a row); failing %d request(s)\n%s", self._failures_in_a_row,
                   len(request_ids), tb)
-        self.metrics.record_loop_failure()
+        with contextlib.suppress(Exception):  # the metrics may be what failed
+            self.metrics.record_loop_failure()
         for rid in request_ids:
             sink = self._sinks.pop(rid, None)
             if sink is not None:

@@ -46,7 +46,8 @@ class _SamplingFields(BaseModel):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # 0 or -1: disabled (vLLM uses -1)
+    # 0 or -1: disabled (vLLM uses -1); the cap keeps it a 32-bit int: one top_k past int64 failed a whole batch
+    top_k: int = Field(0, ge=-1, le=2**31 - 1)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     stop: str | list[str] | None = None
