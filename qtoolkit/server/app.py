@@ -113,9 +113,16 @@ class ServerState:
                            code="context_length_exceeded")
         return max_tokens
 
-    def start(self, prompts: list[list[int]], params: list[SamplingParams]) -> Generation:
+    def check_admission(self, num_prompts: int, n: int) -> None:
+        """Before any tokenizing: a request that cannot run is refused first (400), then one that cannot run
+        now (503), so a full server spends no work on what it will refuse. start() reserves the slots."""
+        self.check_fan_out(num_prompts, n)
+        self.admit(num_prompts * n)
+        self.driver.release(num_prompts * n)
+
+    def admit(self, n: int) -> None:
         try:
-            self.driver.admit(len(prompts))
+            self.driver.admit(n)
         except Overloaded:
             raise APIError(503, f"the server is at capacity ({self.driver.max_in_flight} requests in flight): "
                                 f"retry after {RETRY_AFTER_S} s", kind="server_error", code="overloaded",
@@ -123,6 +130,9 @@ class ServerState:
         except EngineStopped as e:
             raise APIError(503, f"the engine stopped, so this server admits nothing: {e}", kind="server_error",
                            code="engine_stopped") from None
+
+    def start(self, prompts: list[list[int]], params: list[SamplingParams]) -> Generation:
+        self.admit(len(prompts))
         gen = Generation(self.driver, self.metrics, prompts, params, self.request_timeout_s)
         gen.launch()
         return gen
@@ -210,7 +220,7 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
         state.check_model(req.model)
-        state.check_fan_out(len(req.prompts()), req.n)
+        state.check_admission(len(req.prompts()), req.n)
         prompts, budgets = await state.off_loop(encode_completion, req)
         expanded = [(p, b) for p, b in zip(prompts, budgets, strict=True) for _ in range(req.n)]
         params = [sampling_params(req, b, i % req.n) for i, (_, b) in enumerate(expanded)]
@@ -237,7 +247,7 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         state.check_model(req.model)
-        state.check_fan_out(1, req.n)
+        state.check_admission(1, req.n)
         prompt = await state.off_loop(state.encode_chat, req)
         budget = state.budget(len(prompt), req.max_new_tokens(), "messages")
         gen = state.start([prompt] * req.n, [sampling_params(req, budget, i) for i in range(req.n)])
