@@ -24,7 +24,8 @@ class HFBackend:
         self.batch_size = batch_size
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.source.path)
-            self.model = AutoModelForCausalLM.from_pretrained(self.source.path, dtype=torch.float32).eval()
+            self.model = AutoModelForCausalLM.from_pretrained(self.source.path, dtype=torch.float32,
+                                                              use_safetensors=True).eval()
         except (OSError, ValueError) as e:
             raise BackendError(f"transformers cannot load {self.source.path} ({e}): check the model folder") from None
         if self.tokenizer.pad_token_id is None:

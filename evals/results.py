@@ -12,20 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from qtoolkit.errors import OutputExistsError
-from qtoolkit.io import write_json
+from qtoolkit.io import lock_output, read_results_json, write_json
 from qtoolkit.provenance import provenance
 
 
 class ResultsFile:
     def __init__(self, path: str | Path, *, overwrite: bool = False, inputs: dict[str, Any] | None = None):
         self.path = Path(path)
+        self.lock = lock_output(self.path)  # held while this run writes: a second run fails at once
         self.data: dict[str, Any] = {}
         if self.path.exists() and not overwrite:
-            try:
-                self.data = json.loads(self.path.read_text())
-            except ValueError:
-                raise OutputExistsError(f"{self.path} exists but is not a results JSON: choose another --output "
-                                        "or pass --overwrite") from None
+            self.data = read_results_json(self.path)
         self.data.update(provenance(**(inputs or {})))
         self.data.setdefault("tasks", {})
 

@@ -215,7 +215,7 @@ def load_hf(model_path: Any, dtype: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, use_safetensors=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -68,7 +68,7 @@ def hf_decoder(folder: Path, dtype: str) -> tuple[Decoder, dict[str, Any]]:
 
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, use_safetensors=True).eval()
     ids = tok(PROMPT, return_tensors="pt").input_ids
 
     def run(n: int) -> list[float]:

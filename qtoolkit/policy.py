@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import QToolError
+from .yaml_safe import load_yaml_file
 
 POLICY_DIR = Path(str(importlib.resources.files("qtoolkit.recipes"))) / "policies"
 
@@ -109,7 +110,7 @@ def find_policy(spec: str | os.PathLike) -> Path:
 def load_policy(spec: str | os.PathLike = "default") -> Policy:
     path = find_policy(spec)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml_file(path, PolicyError)  # size-capped, aliases refused
         policy = Policy.model_validate(data)
     except yaml.YAMLError as e:
         raise PolicyError(f"{path}: malformed YAML ({str(e).splitlines()[0]}): fix the syntax") from None

@@ -28,12 +28,24 @@ def text_sha256(text: str | bytes) -> str:
     return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
 
 
-def folder_sha256(folder: str | os.PathLike, patterns: tuple[str, ...] = ("*.safetensors", "config.json")) -> str:
-    """Hash of a model folder's weights and config, cached in the folder (keyed by size and mtime)."""
+# Every file of a model folder that changes what the model computes or how its text is made: weights, configs
+# (generation_config.json's EOS ids end sequences), tokenizer files and the chat template. Result files written
+# next to a model (eval.json, ...) are not in it, so evaluating a folder does not change its identity.
+IDENTITY_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
+                     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                     "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "*.tiktoken", "chat_template.jinja",
+                     "chat_template.json", "additional_chat_templates/*.jinja", "preprocessor_config.json",
+                     "recipe.yaml")
+
+
+def folder_sha256(folder: str | os.PathLike, patterns: tuple[str, ...] = IDENTITY_PATTERNS) -> str:
+    """Hash of every behaviour-changing file of a model folder, cached in the folder (keyed by size and
+    mtime)."""
     folder = Path(folder)
-    files = sorted({p for pat in patterns for p in folder.glob(pat)})
-    stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    cache = folder / ".qtoolkit-hash.json"
+    files = sorted({p for pat in patterns for p in folder.glob(pat) if p.is_file()})
+    names = [p.relative_to(folder).as_posix() for p in files]
+    stamp = [(n, p.stat().st_size, p.stat().st_mtime_ns) for n, p in zip(names, files, strict=True)]
+    cache = folder / ".qtoolkit-hash-v2.json"  # v2: covers tokenizer, template and generation config
     try:
         cached = json.loads(cache.read_text())
         if cached.get("stamp") == json.loads(json.dumps(stamp)):
@@ -41,8 +53,8 @@ def folder_sha256(folder: str | os.PathLike, patterns: tuple[str, ...] = ("*.saf
     except (OSError, ValueError, KeyError):
         pass
     h = hashlib.sha256()
-    for p in files:
-        h.update(p.name.encode())
+    for n, p in zip(names, files, strict=True):
+        h.update(n.encode())
         h.update(file_sha256(p).encode())
     digest = h.hexdigest()
     try:

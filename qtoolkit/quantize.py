@@ -140,9 +140,11 @@ def _load_model(src: ModelSource, r: Recipe):
                                  bnb_4bit_compute_dtype=getattr(torch, b.compute_dtype),
                                  bnb_4bit_use_double_quant=b.double_quant,
                                  llm_int8_skip_modules=list(r.quantization.ignore))
-        model = AutoModelForCausalLM.from_pretrained(src.path, quantization_config=cfg, device_map="cpu")
+        model = AutoModelForCausalLM.from_pretrained(src.path, quantization_config=cfg, device_map="cpu",
+                                                         use_safetensors=True)
     else:
-        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=getattr(torch, r.precision))
+        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=getattr(torch, r.precision),
+                                                         use_safetensors=True)
     return model.eval(), tok
 
 
@@ -152,7 +154,7 @@ def _smoke_generate(folder: Path, max_new_tokens: int = 40) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu").eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu", use_safetensors=True).eval()
     if tok.chat_template:
         ids = tok.apply_chat_template([{"role": "user", "content": SMOKE_PROMPT}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]

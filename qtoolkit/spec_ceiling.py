@@ -38,17 +38,18 @@ def parse_speculative(text: str) -> dict[str, Any] | None:
     out: dict[str, Any] = {"position": {}}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if not s.name.startswith("qtool_spec_"):
+            name = s.name.removesuffix("_total")  # totals are counters, exposed as NAME_total
+            if not name.startswith("qtool_spec_"):
                 continue
             labels = s.labels
-            if s.name == "qtool_spec_position_tokens":
+            if name == "qtool_spec_position_tokens":
                 out["position"][(int(labels["position"]), labels["outcome"])] = s.value
-            elif s.name == "qtool_spec_seconds":
+            elif name == "qtool_spec_seconds":
                 out[f"{labels['phase']}_seconds"] = s.value
-            elif s.name == "qtool_spec_decode_steps":
+            elif name == "qtool_spec_decode_steps":
                 out[f"{labels['kind']}_steps"] = s.value
             elif not labels:
-                out[s.name.removeprefix("qtool_spec_")] = s.value
+                out[name.removeprefix("qtool_spec_")] = s.value
     # the labelled samples appear once the engine has reported speculation; a plain server shows zeros only
     return out if "verify_seconds" in out else None
 

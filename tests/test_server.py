@@ -62,7 +62,8 @@ def wait_until_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(url)
-        if m["qtool_requests_in_flight"] == 0 and m["qtool_kv_blocks_used"] == 0 and m["qtool_requests_running"] == 0:
+        idle = m["qtool_requests_in_flight"] == 0 and m["vllm:num_requests_running"] == 0
+        if idle and m["qtool_kv_blocks_used"] == 0:
             return m
         if time.monotonic() > deadline:
             raise AssertionError(f"server not idle after {timeout} s: {m}")
@@ -84,9 +85,10 @@ def test_health_models_and_metrics(base_url):
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny-llama0"
     assert models["data"][0]["max_model_len"] > 0
     m = metrics(base_url)
-    for name in ("qtool_requests_running", "qtool_requests_waiting", "qtool_kv_blocks_used", "qtool_kv_blocks_free",
-                 "qtool_generation_tokens_per_second", "qtool_time_to_first_token_seconds_count",
-                 "qtool_time_per_output_token_seconds_count"):
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "qtool_kv_blocks_used",
+                 "qtool_kv_blocks_free",
+                 "qtool_generation_tokens_per_second", "vllm:time_to_first_token_seconds_count",
+                 "vllm:time_per_output_token_seconds_count"):
         assert name in m, name
     assert m["qtool_kv_blocks_free"] > 0
 

@@ -92,7 +92,7 @@ def test_hundreds_of_streams_with_early_disconnects(tiny_model_dir):
 
         m = wait_until_idle(url, IDLE_TIMEOUT_S)
         assert m["qtool_kv_blocks_free"] == m["qtool_kv_blocks_total"]
-        assert m["qtool_requests_waiting"] == 0
+        assert m["vllm:num_requests_waiting"] == 0
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "still there?", "max_tokens": 3, "ignore_eos": True},
                        timeout=30.0)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

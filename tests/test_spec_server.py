@@ -33,7 +33,7 @@ def test_usage_block_and_metrics_report_speculation(tiny_model_dir):
                    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text) for s in fam.samples}
         assert samples[("qtool_spec_acceptance_rate", ())] == 1.0
         assert samples[("qtool_spec_acceptance_by_position", (("position", "1"),))] == 1.0
-        assert samples[("qtool_spec_draft_tokens", ())] >= 2 * spec["draft_tokens"]
+        assert samples[("qtool_spec_draft_tokens_total", ())] >= 2 * spec["draft_tokens"]
 
 
 def test_generate_cli_speculates_and_rejects_bad_flags(tiny_model_dir, capsys):

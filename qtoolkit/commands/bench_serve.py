@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from ..bench import bench_serve, format_table
     from ..engine.speculative import check_speculative_args
     from ..errors import QToolError
-    from ..io import write_json
+    from ..io import lock_output, write_json
 
     if args.num_requests is not None and args.num_requests <= 0:
         raise QToolError("--num-requests must be positive")
@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if args.speculative and args.endpoint:
         raise QToolError("--speculative starts our own servers: drop --endpoint (or start that server with it)")
     signal.signal(signal.SIGTERM, _interrupt)
+    lock = lock_output(args.output)  # two benches into one file would overwrite each other's tiers
     report = bench_serve(args.model, endpoint=args.endpoint, concurrency=args.concurrency, batching=args.batching,
                          workload=args.workload, rate=args.rate, num_requests=args.num_requests,
                          compare_hf=args.compare == "hf", seed=args.seed, mean_output_tokens=args.mean_output_tokens,
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
                          num_speculative_tokens=args.num_speculative_tokens,
                          on_tier=lambda partial: write_json(args.output, partial))
     path = write_json(args.output, report)
+    lock.release()
     print(format_table(report))
     print(f"wrote {path}")
     failed = sum(r.get("failed", 0) for t in report["tiers"] for r in t["results"].values())

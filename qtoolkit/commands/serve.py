@@ -22,6 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="static: a batch starts only when the previous one finished (the baseline)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one engine step")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+                   help="largest request body accepted; past it the server answers 413 (default 8 MiB)")
+    p.add_argument("--metrics-need-key", action="store_true", help="require --api-key on /metrics too")
+    p.add_argument("--request-timeout", type=float, default=1800.0,
+                   help="seconds a request may run before it ends with 504 (default 1800)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_speculative_arguments(p)
 
@@ -34,8 +39,14 @@ def run(args: argparse.Namespace) -> int:
         raise QToolError(f"--port {args.port} is not a TCP port: pass 1-65535")
     if args.max_num_seqs <= 0 or args.max_waiting < 0:
         raise QToolError("--max-num-seqs must be > 0 and --max-waiting >= 0")
+    if args.max_body_bytes <= 0 or args.request_timeout <= 0:
+        raise QToolError("--max-body-bytes and --request-timeout must be > 0")
+    if args.metrics_need_key and args.api_key is None:
+        raise QToolError("--metrics-need-key needs --api-key: pass the key the scraper will send")
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key, kv_cache_memory=args.kv_cache_memory,
           max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting, batching=args.batching, dtype=args.dtype,
           max_num_batched_tokens=args.max_num_batched_tokens, log_level=args.log_level,
-          speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+          speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+          max_body_bytes=args.max_body_bytes, metrics_need_key=args.metrics_need_key,
+          request_timeout_s=args.request_timeout)
     return 0

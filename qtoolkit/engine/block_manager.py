@@ -7,13 +7,28 @@ hands them out again (least recently freed first), so a finished or preempted pr
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from .sequence import Sequence
 
+_ROOT = b"qtoolkit-prefix-cache-v1"
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+
+def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
+    """A block's key: a digest over its parent's key and its own token ids, so equal keys mean equal prefixes.
+
+    Python's hash() of the block's tokens alone let two different prefixes share KV on a collision (the class
+    of bug behind vLLM's CVE-2025-25183); a 128-bit BLAKE2b over the chain makes a collision infeasible.
+    Token ids are packed as uint32 in native byte order (vocabularies stay below 2**32; keys never leave
+    the process)."""
+    ids = array("I", tokens)
+    if ids.itemsize != 4:  # pragma: no cover - every platform we run on has a 4-byte unsigned int
+        raise RuntimeError("array('I') is not 32-bit on this platform")
+    digest = hashlib.blake2b(parent or _ROOT, digest_size=16)
+    digest.update(ids.tobytes())
+    return digest.digest()
 
 
 class Block:
@@ -22,7 +37,7 @@ class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = None
+        self.hash: bytes | None = None
         self.tokens: tuple[int, ...] | None = None  # kept to rule out hash collisions on a hit
 
 
@@ -34,7 +49,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.cached: dict[bytes, int] = {}  # chain key -> block id
         self.num_prefix_hits = 0  # tokens served from the prefix cache
 
     @property

@@ -30,7 +30,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # hash chain of the leading full blocks registered for prefix reuse
+        self.block_hashes: list[bytes] = []  # hash chain of the leading full blocks registered for prefix reuse
         self.finish_reason: str | None = None
         self.generator: torch.Generator | None = None
         if not params.greedy:

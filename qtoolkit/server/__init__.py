@@ -13,7 +13,8 @@ from typing import Any
 
 from ..errors import QToolError
 from ..progress import status
-from .app import create_app
+from .app import DEFAULT_REQUEST_TIMEOUT_S, create_app
+from .guard import DEFAULT_MAX_BODY_BYTES
 
 __all__ = ["create_app", "serve", "build_engine", "build_engine_off_main_thread"]
 
@@ -77,7 +78,9 @@ def build_engine_off_main_thread(model: Any, **kwargs: Any) -> Any:
 def serve(model: Any = "default", *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           kv_cache_memory: str = "1GiB", max_num_seqs: int = 64, max_waiting: int = 256,
           batching: str = "continuous", dtype: str = "auto", max_num_batched_tokens: int = 1024,
-          log_level: str = "info", speculative: str | None = None, num_speculative_tokens: int = 4) -> None:
+          log_level: str = "info", speculative: str | None = None, num_speculative_tokens: int = 4,
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_need_key: bool = False,
+          request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
     """Load `model` into an engine and serve it until interrupted."""
     import uvicorn
 
@@ -91,6 +94,7 @@ def serve(model: Any = "default", *, host: str = "127.0.0.1", port: int = 8000, 
                                           num_speculative_tokens=num_speculative_tokens)
     names = [engine.model_name] + [str(model)] * (str(model) != engine.model_name)
     app = create_app(engine, served_model_names=names, api_key=api_key, max_waiting=max_waiting,
-                     max_num_seqs=max_num_seqs)
+                     max_num_seqs=max_num_seqs, max_body_bytes=max_body_bytes, metrics_need_key=metrics_need_key,
+                     request_timeout_s=request_timeout_s)
     status(f"serving {engine.model_name} on http://{host}:{port}/v1")
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,19 +1,21 @@
 """The FastAPI app: OpenAI-compatible routes over one engine, plus /health and /metrics.
 
-Every refusal (bad input, unknown model, bad key, overload) is decided on the event loop before the engine sees
-the request, so refused requests never disturb running ones.
+Every refusal (bad input, unknown model, bad key, overload) is decided before the engine sees the request, so
+refused requests never disturb running ones. The key and the body size are checked on the headers, before the
+body is read (guard.py); prompts are tokenized on a worker thread, so a long prompt does not stall the loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import json
-import secrets
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -21,10 +23,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.params import SamplingParams
 from ..errors import QToolError
-from .driver import EngineDriver, Overloaded
+from .driver import EngineDriver, EngineStopped, Overloaded
 from .generation import Generation
+from .guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
 from .metrics import ServerMetrics
 from .protocol import (
+    SEED_MAX,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,6 +41,7 @@ from .protocol import (
 )
 
 RETRY_AFTER_S = 1
+DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -44,15 +49,30 @@ def sse(data: dict[str, Any] | str) -> str:
 
 
 class ServerState:
-    def __init__(self, engine: Any, *, names: list[str], api_key: str | None, max_waiting: int, max_num_seqs: int):
+    def __init__(self, engine: Any, *, names: list[str], api_key: str | None, max_waiting: int, max_num_seqs: int,
+                 request_timeout_s: float):
         self.engine = engine
+        self.request_timeout_s = request_timeout_s
+        # one worker: the tokenizer copy is not shared between threads, and tokenizing is cheap next to a step
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtool-tokenize")
         # The engine thread detokenizes with engine.tokenizer; the event loop tokenizes with its own copy.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.model_name = names[0]
         self.names = set(names)
         self.api_key = api_key
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(in_flight=lambda: self.driver.in_flight, engine_up=lambda: self.driver.alive)
         self.driver = EngineDriver(engine, self.metrics, max_in_flight=max_num_seqs + max_waiting)
+
+    def check_fan_out(self, num_prompts: int, n: int) -> None:
+        """A request needing more engine slots than the server ever admits can never run: 400, not a 503 to
+        retry forever."""
+        if num_prompts * n > self.driver.max_in_flight:
+            raise APIError(400, f"{num_prompts} prompt(s) x n={n} is {num_prompts * n} sequences, but this server "
+                                f"admits at most {self.driver.max_in_flight} at once: send fewer prompts or a "
+                                "smaller n", param="n", code="too_many_sequences")
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:
@@ -93,21 +113,35 @@ class ServerState:
                            code="context_length_exceeded")
         return max_tokens
 
-    def start(self, prompts: list[list[int]], params: list[SamplingParams]) -> Generation:
+    def check_admission(self, num_prompts: int, n: int) -> None:
+        """Before any tokenizing: a request that cannot run is refused first (400), then one that cannot run
+        now (503), so a full server spends no work on what it will refuse. start() reserves the slots."""
+        self.check_fan_out(num_prompts, n)
+        self.admit(num_prompts * n)
+        self.driver.release(num_prompts * n)
+
+    def admit(self, n: int) -> None:
         try:
-            self.driver.admit(len(prompts))
+            self.driver.admit(n)
         except Overloaded:
             raise APIError(503, f"the server is at capacity ({self.driver.max_in_flight} requests in flight): "
                                 f"retry after {RETRY_AFTER_S} s", kind="server_error", code="overloaded",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        gen = Generation(self.driver, self.metrics, prompts, params)
+        except EngineStopped as e:
+            raise APIError(503, f"the engine stopped, so this server admits nothing: {e}", kind="server_error",
+                           code="engine_stopped") from None
+
+    def start(self, prompts: list[list[int]], params: list[SamplingParams]) -> Generation:
+        self.admit(len(prompts))
+        gen = Generation(self.driver, self.metrics, prompts, params, self.request_timeout_s)
         gen.launch()
         return gen
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int) -> SamplingParams:
     top_k = max(req.top_k, 0)
-    seed = None if req.seed is None else req.seed + choice  # n seeded choices must not be copies
+    # n seeded choices must not be copies; wrapping keeps seed + choice a valid 64-bit seed
+    seed = None if req.seed is None else (req.seed + choice) % (SEED_MAX + 1)
     params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=top_k, top_p=req.top_p,
                             seed=seed, stop=req.stop_list(), ignore_eos=req.ignore_eos)
     try:
@@ -118,16 +152,20 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
 
 
 def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_key: str | None = None,
-               max_waiting: int = 256, max_num_seqs: int = 64) -> FastAPI:
-    """An app over `engine`. In-flight requests are bounded by max_num_seqs + max_waiting; past it: 503."""
+               max_waiting: int = 256, max_num_seqs: int = 64, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               metrics_need_key: bool = False, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> Any:
+    """An ASGI app over `engine`. In-flight requests are bounded by max_num_seqs + max_waiting; past it: 503.
+
+    The FastAPI app is `app.app` behind the guard (key and body size); `app.state.qtool` is the server state."""
     state = ServerState(engine, names=served_model_names or [engine.model_name], api_key=api_key,
-                        max_waiting=max_waiting, max_num_seqs=max_num_seqs)
+                        max_waiting=max_waiting, max_num_seqs=max_num_seqs, request_timeout_s=request_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.driver.start()
         yield
         state.driver.stop()
+        state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="qtoolkit", lifespan=lifespan)
     app.state.qtool = state
@@ -156,45 +194,43 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(err.status_code, str(err.detail), code=str(err.status_code),
+        code = "body_too_large" if err.status_code == 413 else str(err.status_code)
+        return error_response(APIError(err.status_code, str(err.detail), code=code,
                                        headers=dict(err.headers or {})))
-
-    async def authorize(request: Request) -> None:
-        if state.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
-            raise APIError(401, "invalid API key: send `Authorization: Bearer <key>` with the server's key",
-                           code="invalid_api_key")
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = state.driver.alive
-        return JSONResponse({"status": "ok" if ok else "engine thread stopped"}, status_code=200 if ok else 503)
+        if state.driver.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine stopped", "reason": state.driver.why_not_alive()}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": now(),
                                             "owned_by": "qtoolkit", "max_model_len": engine.max_model_len}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    def encode_completion(req: CompletionRequest) -> tuple[list[list[int]], list[int]]:
+        prompts = [state.encode_prompt(p, "prompt") for p in req.prompts()]
+        return prompts, [state.budget(len(p), req.max_tokens, "prompt") for p in prompts]
+
+    @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
         state.check_model(req.model)
-        prompts = [state.encode_prompt(p, "prompt") for p in req.prompts()]
-        budgets = [state.budget(len(p), req.max_tokens, "prompt") for p in prompts]
+        state.check_admission(len(req.prompts()), req.n)
+        prompts, budgets = await state.off_loop(encode_completion, req)
         expanded = [(p, b) for p, b in zip(prompts, budgets, strict=True) for _ in range(req.n)]
         params = [sampling_params(req, b, i % req.n) for i, (_, b) in enumerate(expanded)]
         gen = state.start([p for p, _ in expanded], params)
         rid, created, model = new_id("cmpl"), now(), state.model_name
         if req.stream:
             async def events() -> AsyncIterator[str]:
-                async for index, out in gen.events():
-                    if out.new_text or out.finished:
-                        yield sse(completion_chunk(rid, model, index, out.new_text, out.finish_reason, created))
+                async for index, out, text in gen.events():
+                    if text or out.finished:
+                        yield sse(completion_chunk(rid, model, index, text, out.finish_reason, created))
             return _event_stream(gen, events(), rid, model, created, "text_completion", req.include_usage())
         try:
             if not await gen.collect(request):
@@ -208,10 +244,11 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
                              "usage": usage_block(gen.num_prompt_tokens, gen.num_completion_tokens,
                                                   **gen.usage_extra())})
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         state.check_model(req.model)
-        prompt = state.encode_chat(req)
+        state.check_admission(1, req.n)
+        prompt = await state.off_loop(state.encode_chat, req)
         budget = state.budget(len(prompt), req.max_new_tokens(), "messages")
         gen = state.start([prompt] * req.n, [sampling_params(req, budget, i) for i in range(req.n)])
         rid, created, model = new_id("chatcmpl"), now(), state.model_name
@@ -219,9 +256,9 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
             async def events() -> AsyncIterator[str]:
                 for i in range(req.n):
                     yield sse(chat_chunk(rid, model, i, {"role": "assistant", "content": ""}, None, created))
-                async for index, out in gen.events():
-                    if out.new_text:
-                        yield sse(chat_chunk(rid, model, index, {"content": out.new_text}, None, created))
+                async for index, out, text in gen.events():
+                    if text:
+                        yield sse(chat_chunk(rid, model, index, {"content": text}, None, created))
                     if out.finished:
                         yield sse(chat_chunk(rid, model, index, {}, out.finish_reason, created))
             return _event_stream(gen, events(), rid, model, created, "chat.completion.chunk", req.include_usage())
@@ -237,7 +274,8 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
                              "usage": usage_block(gen.num_prompt_tokens, gen.num_completion_tokens,
                                                   **gen.usage_extra())})
 
-    return app
+    return GuardMiddleware(app, api_key=api_key, max_body_bytes=max_body_bytes, metrics_need_key=metrics_need_key,
+                           on_reject=lambda status: state.metrics.rejected.labels(str(status)).inc())
 
 
 class EventStream(StreamingResponse):

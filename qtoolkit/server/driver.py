@@ -8,6 +8,7 @@ Admission is counted on the event loop, so the bound on in-flight requests holds
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -42,6 +43,15 @@ class Overloaded(Exception):
     """The in-flight bound is reached; the caller answers 503 with Retry-After."""
 
 
+class EngineStopped(Exception):
+    """The engine cannot go on (its thread died or it failed too often in a row): answer 503 at once."""
+
+
+# After this many iterations in a row that failed, the engine is taken to be broken for good: the server stops
+# admitting rather than failing every request after a full wait.
+MAX_CONSECUTIVE_FAILURES = 3
+
+
 class EngineDriver:
     def __init__(self, engine: Any, metrics: ServerMetrics, *, max_in_flight: int):
         self.engine = engine
@@ -53,6 +63,8 @@ class EngineDriver:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_error: str | None = None
+        self.stopped_reason: str | None = None  # set once the engine cannot go on
+        self._failures_in_a_row = 0
 
     # ---- event-loop side -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -67,18 +79,23 @@ class EngineDriver:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self.stopped_reason is None and self._thread is not None and self._thread.is_alive()
+
+    def why_not_alive(self) -> str:
+        if self.stopped_reason is not None:
+            return self.stopped_reason
+        return "the engine thread is not running" if self._thread is None or not self._thread.is_alive() else ""
 
     def admit(self, n: int) -> None:
-        """Reserve room for n engine requests or raise Overloaded; release() gives it back."""
+        """Reserve room for n engine requests or raise Overloaded / EngineStopped; release() gives it back."""
+        if not self.alive:
+            raise EngineStopped(self.why_not_alive())
         if self.in_flight + n > self.max_in_flight:
             raise Overloaded
         self.in_flight += n
-        self.metrics.in_flight.set(self.in_flight)
 
     def release(self, n: int) -> None:
         self.in_flight -= n
-        self.metrics.in_flight.set(self.in_flight)
 
     def add(self, request_id: str, prompt_ids: list[int], params: Any, out: asyncio.Queue, index: int) -> None:
         sink = _Sink(asyncio.get_running_loop(), out, index)
@@ -89,20 +106,35 @@ class EngineDriver:
 
     # ---- engine-thread side ----------------------------------------------------------------------------------
     def _run(self) -> None:
-        self.metrics.record_stats(self.engine.stats())
-        while not self._stop.is_set():
+        try:
+            self.metrics.record_stats(self.engine.stats())
+            while not self._stop.is_set() and self.stopped_reason is None:
+                self._iterate()
+        except BaseException as e:  # noqa: BLE001 - whatever ends the thread must end admission with a reason
+            log.exception("the engine thread died")
+            self._give_up(f"the engine thread died: {type(e).__name__}: {e}")
+            return
+        if self.stopped_reason is not None:
+            self._drain_commands()
+
+    def _iterate(self) -> None:
+        """One loop iteration; an exception in any part fails the requests it touched, then the loop goes on."""
+        touched: list[str] = []
+        try:
             busy = self.engine.has_unfinished_requests()
             self._apply_commands(block=not busy)
             if not self.engine.has_unfinished_requests():
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception:  # a bug in the engine must not kill the server: fail what ran, keep serving
-                self._fail_all(traceback.format_exc())
-                continue
+                return
+            touched = list(self._sinks)  # a failing step may have touched any running request
+            outputs = self.engine.step()
+            touched = [o.request_id for o in outputs]
             # Metrics first: a client that saw a token must find it reflected in /metrics.
             self.metrics.record_step(sum(len(o.new_token_ids) for o in outputs), self.engine.stats())
             self._deliver(outputs)
+        except Exception:  # a bug must not kill the server: fail what it touched, keep serving
+            self._fail(touched, traceback.format_exc())
+            return
+        self._failures_in_a_row = 0
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -111,7 +143,10 @@ class EngineDriver:
             return
         changed = False
         while True:
-            changed |= self._apply(cmd)
+            try:
+                changed |= self._apply(cmd)
+            except Exception:  # one bad command must not lose the others, nor leave its request waiting
+                self._fail_command(cmd, traceback.format_exc())
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -125,8 +160,9 @@ class EngineDriver:
             try:
                 self.engine.add_request(rid, prompt_ids, params)
             except Exception as e:  # the handler validated it; the engine may still refuse (QToolError: bad input)
-                failure = EngineFailure(str(e), 400 if isinstance(e, QToolError) else 500)
-                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, (sink.index, failure))
+                if not isinstance(e, QToolError):
+                    log.error("adding %s failed\n%s", rid, traceback.format_exc())
+                _post(sink, EngineFailure(str(e), 400 if isinstance(e, QToolError) else 500))
                 return False
             self._sinks[rid] = sink
             return True
@@ -140,6 +176,16 @@ class EngineDriver:
                 return True
         return False
 
+    def _fail_command(self, cmd: tuple, tb: str) -> None:
+        log.error("engine command %s failed\n%s", cmd[0], tb)
+        self.last_error = tb.strip().splitlines()[-1]
+        if cmd[0] == "add":
+            rid, sink = cmd[1], cmd[4]
+            self._sinks.pop(rid, None)
+            _post(sink, EngineFailure(self.last_error))
+            with contextlib.suppress(Exception):
+                self.engine.abort_request(rid)
+
     def _deliver(self, outputs: list) -> None:
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
@@ -150,18 +196,54 @@ class EngineDriver:
                 del self._sinks[out.request_id]
             batches.setdefault(sink.loop, []).append((sink.queue, (sink.index, out)))
         for loop, items in batches.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed: nobody is left to read these
+                log.warning("dropped %d output(s) for a closed event loop", len(items))
 
-    def _fail_all(self, tb: str) -> None:
-        log.error("engine step failed; failing %d request(s)\n%s", len(self._sinks), tb)
+    def _fail(self, request_ids: list[str], tb: str) -> None:
         self.last_error = tb.strip().splitlines()[-1]
-        for rid, sink in list(self._sinks.items()):
-            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, (sink.index, EngineFailure(self.last_error)))
+        self._failures_in_a_row += 1
+        log.error("engine loop iteration failed (%d in a row); failing %d request(s)\n%s", self._failures_in_a_row,
+                  len(request_ids), tb)
+        with contextlib.suppress(Exception):  # the metrics may be what failed
+            self.metrics.record_loop_failure()
+        for rid in request_ids:
+            sink = self._sinks.pop(rid, None)
+            if sink is not None:
+                _post(sink, EngineFailure(self.last_error))
             try:
                 self.engine.abort_request(rid)
             except Exception:
                 log.exception("abort of %s after an engine failure also failed", rid)
+        if self._failures_in_a_row >= MAX_CONSECUTIVE_FAILURES:
+            self._give_up(f"the engine failed {self._failures_in_a_row} iterations in a row (last: "
+                          f"{self.last_error}): restart the server")
+
+    def _give_up(self, reason: str) -> None:
+        """Stop admitting and fail every request that is waiting, so none waits for an engine that is gone."""
+        log.critical("%s", reason)
+        self.stopped_reason = reason
+        for sink in self._sinks.values():
+            _post(sink, EngineFailure(reason, 503))
         self._sinks.clear()
+        self._drain_commands()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _post(cmd[4], EngineFailure(self.stopped_reason or "the engine stopped", 503))
+
+
+def _post(sink: _Sink, item: Any) -> None:
+    try:
+        sink.loop.call_soon_threadsafe(sink.queue.put_nowait, (sink.index, item))
+    except RuntimeError:  # its event loop is closed
+        pass
 
 
 def _put_all(items: list) -> None:

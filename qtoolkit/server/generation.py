@@ -2,7 +2,8 @@
 
 Cleanup is the point of this module: whatever ends a request (finish, client disconnect, cancellation, engine
 failure), `close()` aborts the engine requests still running, which frees their KV blocks, and gives the
-admission slots back.
+admission slots back. No wait is open-ended: the engine's liveness is checked every second, and a request that
+outlives its deadline ends with 504.
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ from fastapi import Request
 from .driver import EngineDriver, EngineFailure
 from .metrics import ServerMetrics
 from .protocol import APIError, new_id
+from .stops import StreamCursor
+
+LIVENESS_POLL_S = 1.0
 
 
 class Generation:
-    def __init__(self, driver: EngineDriver, metrics: ServerMetrics, prompts: list[list[int]], params: list[Any]):
+    def __init__(self, driver: EngineDriver, metrics: ServerMetrics, prompts: list[list[int]], params: list[Any],
+                 timeout_s: float):
         self.driver, self.metrics = driver, metrics
         self.prompts, self.params = prompts, params
         self.num_prompt_tokens = sum(len(p) for p in {tuple(p) for p in prompts})  # a prompt counts once
@@ -30,6 +35,10 @@ class Generation:
         self.num_output_tokens = [0] * len(prompts)
         self._first_token_at: list[float | None] = [None] * len(prompts)
         self._started_at = time.monotonic()
+        self._deadline = self._started_at + timeout_s
+        self._timeout_s = timeout_s
+        self._cursors = [StreamCursor(p.stop) for p in params]
+        self._pending: asyncio.Future | None = None
         self._closed = False
 
     def launch(self) -> None:
@@ -42,13 +51,33 @@ class Generation:
     def done(self) -> bool:
         return all(f is not None for f in self.final)
 
-    async def events(self) -> AsyncIterator[tuple[int, Any]]:
-        """(choice index, RequestOutput) until every choice finished; an engine failure raises APIError(500)."""
+    async def _next(self) -> tuple[int, Any]:
+        """The next (choice, output), checking every second that the engine lives and the deadline holds."""
+        while True:
+            if self._pending is None:
+                self._pending = asyncio.ensure_future(self.queue.get())  # kept across polls: no item is lost
+            done, _ = await asyncio.wait({self._pending}, timeout=LIVENESS_POLL_S)
+            if done:
+                item, self._pending = self._pending.result(), None
+                return item
+            if not self.driver.alive:
+                raise APIError(503, f"the engine stopped: {self.driver.why_not_alive()}", kind="server_error",
+                               code="engine_stopped")
+            if time.monotonic() > self._deadline:
+                raise APIError(504, f"the request ran past the server's {self._timeout_s:.0f} s request timeout: "
+                                    "ask for fewer tokens (or raise --request-timeout)", kind="server_error",
+                               code="timeout")
+
+    async def events(self) -> AsyncIterator[tuple[int, Any, str]]:
+        """(choice index, RequestOutput, text safe to stream) until every choice finished; a failure raises."""
         while not self.done:
-            index, out = await self.queue.get()
+            index, out = await self._next()
             if isinstance(out, EngineFailure):
                 if out.status == 400:
                     raise APIError(400, out.message)
+                if out.status == 503:
+                    raise APIError(503, f"the engine stopped: {out.message}", kind="server_error",
+                                   code="engine_stopped")
                 raise APIError(500, f"the engine failed on this request: {out.message}", kind="server_error",
                                code="engine_error")
             now = time.monotonic()
@@ -61,7 +90,7 @@ class Generation:
                 self.metrics.record_finished(out.finish_reason or "stop",
                                              None if first is None else first - self._started_at,
                                              now - self._started_at, out.num_output_tokens)
-            yield index, out
+            yield index, out, self._cursors[index].advance(out.text, out.finished)
 
     async def collect(self, request: Request) -> bool:
         """Run to completion; False if the client went away first (the caller then just closes)."""
@@ -104,6 +133,8 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        if self._pending is not None:
+            self._pending.cancel()
         for rid, fin in zip(self.request_ids, self.final, strict=True):
             if fin is None:
                 self.driver.abort(rid)

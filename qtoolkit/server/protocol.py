@@ -13,7 +13,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# Bounds on every field whose size costs engine time: the body limit alone does not bound per-token work
+# (100,000 one-character stop strings fit in 1 MB and are scanned on every token of the sequence).
 MAX_CHOICES = 16
+MAX_STOP_STRINGS = 32  # the code eval sends 6; vLLM sets no bound
+MAX_STOP_CHARS = 256
+MAX_PROMPTS = 256  # prompts in one /v1/completions batch
+MAX_MESSAGES = 1024
+SEED_MAX = 2**63 - 1  # torch.Generator seeds are 64-bit; n choices use seed + i, wrapped into this range
 
 
 class APIError(Exception):
@@ -39,9 +46,10 @@ class _SamplingFields(BaseModel):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # 0 or -1: disabled (vLLM uses -1)
+    # 0 or -1: disabled (vLLM uses -1); the cap keeps it a 32-bit int: one top_k past int64 failed a whole batch
+    top_k: int = Field(0, ge=-1, le=2**31 - 1)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -61,6 +69,18 @@ class _SamplingFields(BaseModel):
     def _no_best_of(cls, v: int | None) -> int | None:
         if v not in (None, 1):
             raise ValueError("best_of > 1 is not supported: use n for several samples")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"{len(stops)} stop strings: send at most {MAX_STOP_STRINGS}")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string is longer than {MAX_STOP_CHARS} characters: shorten it")
         return v
 
     def stop_list(self) -> list[str]:
@@ -92,6 +112,13 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix (fill-in-the-middle) is not supported: leave the field out")
         return v
 
+    @field_validator("prompt")
+    @classmethod
+    def _bounded_prompts(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"{len(v)} prompts in one request: send at most {MAX_PROMPTS}")
+        return v
+
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one string or token list, or a batch of them."""
         p = self.prompt
@@ -117,7 +144,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, gt=0)  # None: the rest of the context, as vLLM does
     max_completion_tokens: int | None = Field(None, gt=0)
 
