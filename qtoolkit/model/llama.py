@@ -1,7 +1,8 @@
 """A flat decoder for the LLaMA family and its relatives (LLaMA, Mistral, Qwen2, Gemma 3), written for paged,
 continuous batching. The families differ in pieces the config picks, not in code paths: full or sliding-window
 attention per layer, optional per-head q/k norm, the RMSNorm variant (w or 1 + w), the MLP's activation, a rope
-per layer type, norms around the attention and MLP outputs (Gemma's sandwich), scaled embeddings, soft-capping.
+per layer type, norms around the attention and MLP outputs (Gemma's sandwich), scaled embeddings, final logit
+soft-capping.
 
 All scheduled tokens of a step are flattened into one [T] batch; per-sequence metadata (positions, cache slots,
 block tables, attention groups) tells attention which cached K/V each query sees. A sequence may bring any
@@ -57,7 +58,8 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size)
     query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (default head_dim)
-    attn_logit_softcapping: float | None = None
+    # tanh soft-capping of the logits (Gemma). transformers 5.17's Gemma 3 reads attn_logit_softcapping but never
+    # applies it, so the engine does not either
     final_logit_softcapping: float | None = None
 
     def layer_window(self, i: int) -> int | None:
@@ -103,7 +105,6 @@ class ModelConfig:
             ("gelu_pytorch_tanh" if gemma else "silu"),
             unit_offset_norm=gemma, sandwich_norms=gemma, qk_norm=gemma, embed_scale=gemma,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256) if gemma else None,
-            attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
         )
 
@@ -218,7 +219,6 @@ class Attention(nn.Module):
         self.group = self.num_heads // self.num_kv_heads
         self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.window = config.layer_window(layer)  # None: full causal attention
-        self.softcap = config.attn_logit_softcapping
         self.qkv_proj: nn.Module | None = None  # fused q|k|v, set by the loader
         self.o_proj: nn.Module | None = None
         norm = norm_class(config)
@@ -253,7 +253,7 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         if g.row_seq is not None:
             return engine_ops().paged_attention(q[g.rows], self.k_cache, self.v_cache, g.block_table, g.row_seq,
-                                                g.row_last, self.scale, self.window or 0, self.softcap or 0.0)
+                                                g.row_last, self.scale, self.window or 0)
         S, Q, Hk, G, D = g.num_seqs, g.q_len, self.num_kv_heads, self.group, self.head_dim
         qg = q[g.rows] if g.gather is None else q[g.rows].index_select(0, g.gather)
         # GQA without repeating K/V: the G query heads sharing a KV head become G*Q query rows
@@ -263,12 +263,7 @@ class Attention(nn.Module):
         k = self.k_cache.index_select(0, blocks).view(S, L, Hk, D).transpose(1, 2)
         v = self.v_cache.index_select(0, blocks).view(S, L, Hk, D).transpose(1, 2)
         mask = g.mask if self.window is None else g.window_masks[self.window]
-        if self.softcap:  # SDPA has no soft-capping: the eager math of transformers' Gemma attention
-            scores = torch.tanh(qg @ k.transpose(-1, -2) * self.scale / self.softcap) * self.softcap
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(qg.dtype)
-            o = probs @ v
-        else:
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
         return o.view(S, Hk, G, Q, D).permute(0, 3, 1, 2, 4).reshape(S * Q, Hk * G * D)
 
 
