@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from qtoolkit.engine import Engine, SamplingParams
+from qtoolkit.errors import ModelSourceError
 from qtoolkit.model.llama import ModelConfig
 
 SHORT = "The quick brown fox"
@@ -248,3 +249,17 @@ def test_qtool_generate_cli_matches_transformers(built):
     tok = _tok(folder)
     want = [tok.decode(greedy(p, 24), skip_special_tokens=True) for p in (SHORT, LONG)]
     assert [t.removesuffix("\n") for t in texts] == want
+
+
+def test_a_family_the_engine_cannot_run_is_refused_with_the_list(built, tmp_path, capsys):
+    from qtoolkit.cli import main
+
+    _, folder, _, _ = built("mistral")
+    other = shutil.copytree(folder, tmp_path / "phi3")
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "model_type": "phi3"}))
+    assert main(["generate", "--model", str(other), "--prompt", "hi", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "'phi3' is not supported" in err and "gemma3_text" in err and "mistral" in err
+    with pytest.raises(ModelSourceError, match="layer_types"):  # Llama 4's chunked attention: not run wrongly
+        ModelConfig.from_hf({**cfg, "model_type": "llama", "layer_types": ["chunked_attention"] * 3})
