@@ -263,3 +263,21 @@ def test_a_family_the_engine_cannot_run_is_refused_with_the_list(built, tmp_path
     assert "'phi3' is not supported" in err and "gemma3_text" in err and "mistral" in err
     with pytest.raises(ModelSourceError, match="layer_types"):  # Llama 4's chunked attention: not run wrongly
         ModelConfig.from_hf({**cfg, "model_type": "llama", "layer_types": ["chunked_attention"] * 3})
+
+
+def test_blocks_behind_every_window_are_freed_as_a_sequence_advances(built):
+    """Mistral slides a 16-token window on every layer: a sequence holds at most the blocks of its window (plus
+    the one being filled), greedy output stays transformers', and freed blocks serve other requests. Gemma 3 has
+    global layers, so it keeps every block."""
+    name, folder, _, greedy = built("mistral")
+    engine = make(folder, max_num_batched_tokens=16)
+    assert engine.kv_window == 16 and make(built("gemma3_text")[1]).kv_window is None
+    engine.add_request("long", LONG, SamplingParams(max_tokens=40, ignore_eos=True))
+    most = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert out.token_ids == greedy(LONG, 40)
+        most = max(most, engine.stats()["kv_blocks_used"])
+    assert most <= 16 // BLOCK_SIZE + 2 < (44 + 40) // BLOCK_SIZE
+    assert engine.stats()["kv_blocks_used"] == 0

@@ -41,7 +41,7 @@ class ModelRunner:
         counts = [-(-(s.num_computed_tokens + n) // bs) for s, n in seqs]
         table = torch.zeros(len(seqs), max(counts), dtype=torch.long)
         for i, ((s, _), nb) in enumerate(zip(seqs, counts, strict=True)):
-            table[i, :nb] = torch.tensor(s.block_table[:nb])
+            table[i, :nb] = torch.tensor(s.block_table[:nb]).clamp_(min=0)  # a HOLE (freed) reads block 0, masked
         return table
 
     def _paged_group(self, seqs: list[tuple[Sequence, int]], first_row: int) -> AttentionGroup:

@@ -135,7 +135,7 @@ def layer_types_and_window(model_type: str, cfg: dict[str, Any]) -> tuple[list[s
         window = None
     types = cfg.get("layer_types")
     if types is None:
-        if model_type == "mistral":
+        if model_type in ("mistral", "mixtral"):  # one window on every layer
             types = [SLIDING] * n
         elif model_type == "gemma3_text":
             pattern = cfg.get("sliding_window_pattern", 6)
@@ -221,6 +221,7 @@ class Attention(nn.Module):
         self.window = config.layer_window(layer)  # None: full causal attention
         self.qkv_proj: nn.Module | None = None  # fused q|k|v, set by the loader
         self.o_proj: nn.Module | None = None
+        # per-head norms over [tokens, heads, head_dim] before RoPE (Qwen3, Gemma 3); weights set by the loader
         norm = norm_class(config)
         self.q_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -229,10 +230,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, H, Hk, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)  # .forward: no hooks here, and ~3 us a call saved
-        if self.q_norm is not None:  # per-head q/k norm, before RoPE
-            q = self.q_norm(qkv[:, :H * D].reshape(T, H, D))
-            k = self.k_norm(qkv[:, H * D:(H + Hk) * D].reshape(T, Hk, D))
-            qkv = torch.cat((q.reshape(T, H * D), k.reshape(T, Hk * D), qkv[:, (H + Hk) * D:]), dim=1)
+        if self.q_norm is not None:
+            qkv = self._qk_norm(qkv)
         ops = engine_ops() if self.k_cache.device.type == "cpu" and qkv.dtype == self.k_cache.dtype else None
         if ops is not None:
             q = ops.rope_and_cache(qkv.contiguous(), cos, sin, self.k_cache, self.v_cache, batch.slot_mapping, H, Hk)
@@ -249,6 +248,13 @@ class Attention(nn.Module):
             o = self._attend(q, group)
             out[group.rows] = o if group.scatter is None else o.index_select(0, group.scatter)
         return self.o_proj.forward(out)
+
+    def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        """q|k|v with q and k normalised per head; v passes through."""
+        T, H, Hk, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_norm(qkv[:, :H * D].view(T, H, D)).view(T, H * D)
+        k = self.k_norm(qkv[:, H * D:(H + Hk) * D].view(T, Hk, D)).view(T, Hk * D)
+        return torch.cat((q, k, qkv[:, (H + Hk) * D:]), dim=-1)
 
     def _attend(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         if g.row_seq is not None:
