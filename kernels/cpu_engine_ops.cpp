@@ -1,9 +1,9 @@
 // AVX2 ops for the engine's CPU step, built once by kernels/cpu_build.py (like cpu_kernels.cpp).
 //
 // A decode step of a 135M model moves little data per op, so torch's per-op cost and its copies dominate:
-//  - paged_attention: decode/verify rows attend straight over the paged KV cache through the block table. The
-//    torch path gathered every sequence's blocks into a padded copy per layer per step (at batch 32 that copy
-//    and the masked SDPA over it cost a third of the step).
+//  - paged_attention: decode/verify rows attend straight over the paged KV cache through the block table (a
+//    sliding window reads only the blocks inside it). The torch path gathered every sequence's blocks into a
+//    padded copy per layer per step (at batch 32 that copy and the masked SDPA over it cost a third of the step).
 //  - add_rms_norm: residual add + RMSNorm in one pass (six torch ops and two temporaries otherwise).
 //  - rope_and_cache: RoPE on q and k plus the KV-cache write (about a dozen torch ops per layer otherwise).
 //  - silu_mul: SwiGLU's split, silu and product in one pass.
@@ -57,11 +57,13 @@ inline void axpy(float w, const T* x, float* y, int64_t D) {  // y += w * x
   for (; i < D; ++i) y[i] += w * to_f(x[i]);
 }
 
-// One query row's G heads (sharing KV head kh) against positions 0..last of its sequence.
+// One query row's G heads (sharing KV head kh) against positions first..last of its sequence (first > 0 under a
+// sliding window: blocks before it are never read).
 template <typename T>
-void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const int64_t* table, int64_t last,
-            int64_t bs, int64_t Hk, int64_t kh, int64_t D, int64_t G, float scale, T* out, std::vector<float>& buf) {
-  const int64_t L = last + 1;
+void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const int64_t* table, int64_t first,
+            int64_t last, int64_t bs, int64_t Hk, int64_t kh, int64_t D, int64_t G, float scale, T* out,
+            std::vector<float>& buf) {
+  const int64_t L = last - first + 1;
   buf.resize(G * L + 2 * G * D + G);
   float* s = buf.data();
   float* qf = s + G * L;
@@ -69,25 +71,27 @@ void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const i
   float* inv = acc + G * D;
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(q[g * q_head_stride + d]) * scale;
-  for (int64_t p = 0; p < L; ++p) {
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t p = first + i;
     const T* k = kc + ((table[p / bs] * bs + p % bs) * Hk + kh) * D;
-    for (int64_t g = 0; g < G; ++g) s[g * L + p] = dot(qf + g * D, k, D);
+    for (int64_t g = 0; g < G; ++g) s[g * L + i] = dot(qf + g * D, k, D);
   }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = s + g * L;
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < L; ++p) mx = std::max(mx, sg[p]);
+    for (int64_t i = 0; i < L; ++i) mx = std::max(mx, sg[i]);
     float sum = 0.f;
-    for (int64_t p = 0; p < L; ++p) {
-      sg[p] = std::exp(sg[p] - mx);
-      sum += sg[p];
+    for (int64_t i = 0; i < L; ++i) {
+      sg[i] = std::exp(sg[i] - mx);
+      sum += sg[i];
     }
     inv[g] = 1.f / sum;
   }
   std::fill(acc, acc + G * D, 0.f);
-  for (int64_t p = 0; p < L; ++p) {
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t p = first + i;
     const T* v = vc + ((table[p / bs] * bs + p % bs) * Hk + kh) * D;
-    for (int64_t g = 0; g < G; ++g) axpy(s[g * L + p], v, acc + g * D, D);
+    for (int64_t g = 0; g < G; ++g) axpy(s[g * L + i], v, acc + g * D, D);
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(acc[g * D + d] * inv[g]);
@@ -97,7 +101,7 @@ void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const i
 template <typename T>
 void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                  const int64_t* table, const int64_t* row_seq, const int64_t* row_last, int64_t B, int64_t G,
-                 double scale, int64_t grain, torch::Tensor& out) {
+                 double scale, int64_t window, int64_t grain, torch::Tensor& out) {
   const int64_t Hk = k_cache.size(2), D = q.size(2), H = q.size(1), bs = k_cache.size(1);
   const T* qp = q.data_ptr<T>();
   const T* kc = k_cache.data_ptr<T>();
@@ -107,8 +111,9 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
     std::vector<float> buf;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / Hk, kh = i % Hk;
-      attend<T>(qp + t * q.stride(0) + kh * G * D, D, kc, vc, table + row_seq[t] * B, row_last[t], bs, Hk, kh, D,
-                G, static_cast<float>(scale), op + t * H * D + kh * G * D, buf);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, row_last[t] - window + 1) : 0;
+      attend<T>(qp + t * q.stride(0) + kh * G * D, D, kc, vc, table + row_seq[t] * B, first, row_last[t], bs, Hk, kh,
+                D, G, static_cast<float>(scale), op + t * H * D + kh * G * D, buf);
     }
   });
 }
@@ -116,9 +121,11 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
 }  // namespace
 
 // q [T, H, D] (any row stride, heads contiguous), caches [num_blocks, block_size, Hk, D], block_table [S, B]
-// int64, row_seq [T] (row -> sequence), row_last [T] (newest position the row may see). Returns [T, H * D].
+// int64, row_seq [T] (row -> sequence), row_last [T] (newest position the row may see). window > 0: a row sees only
+// its last `window` positions (itself included), as transformers' sliding-window mask (kv > q - window); 0 = all.
+// Returns [T, H * D].
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
-                              torch::Tensor row_seq, torch::Tensor row_last, double scale) {
+                              torch::Tensor row_seq, torch::Tensor row_last, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [T, H, D] with dense heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -131,6 +138,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hk = k_cache.size(2), B = table.size(1);
   TORCH_CHECK(k_cache.size(3) == D && H % Hk == 0, "cache head_dim or head counts do not match q");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0 = no window)");
   const int64_t G = H / Hk;
   auto out = torch::empty({T, H * D}, q.options());
   const int64_t* tp = table.data_ptr<int64_t>();
@@ -139,14 +147,18 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   int64_t positions = 0;
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(lp[t] >= 0 && lp[t] / bs < B && sp[t] >= 0 && sp[t] < table.size(0), "row ", t, " is out of range");
-    positions += lp[t] + 1;
+    positions += window > 0 ? std::min(lp[t] + 1, window) : lp[t] + 1;
   }
   // a batch-1 decode step is ~100K multiply-adds: cheaper on this thread than a fork/join of the pool
   const int64_t grain = positions * H * D < (int64_t{1} << 18) ? T * Hk : 1;
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] { attend_rows<float>(q, k_cache, v_cache, tp, sp, lp, B, G, scale, grain, out); })
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      attend_rows<float>(q, k_cache, v_cache, tp, sp, lp, B, G, scale, window, grain, out);
+    })
     AT_DISPATCH_CASE(at::kBFloat16,
-                     [&] { attend_rows<at::BFloat16>(q, k_cache, v_cache, tp, sp, lp, B, G, scale, grain, out); }));
+                     [&] {
+                       attend_rows<at::BFloat16>(q, k_cache, v_cache, tp, sp, lp, B, G, scale, window, grain, out);
+                     }));
   return out;
 }
 
@@ -453,7 +465,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fake_quant_tokens", &fake_quant_tokens, "per-token int8/FP8 quantize-dequantize of fp32 activations");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate|up projection");
   m.def("rope_and_cache", &rope_and_cache, "RoPE on q and k, k and v written into the paged cache");
-  m.def("paged_attention", &paged_attention, "decode/verify attention over the paged KV cache");
+  m.def("paged_attention", &paged_attention, "decode/verify attention over the paged KV cache", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("row_seq"), py::arg("row_last"),
+        py::arg("scale"), py::arg("window") = 0);
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm, returns (normed, residual)");
   m.def("dense_gemv", &dense_gemv, "fp32 x fp32/bf16 weight matmul for small batches");
 }

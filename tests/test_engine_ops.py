@@ -11,12 +11,12 @@ ops = engine_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="CPU engine ops unavailable (no AVX2 or no compiler)")
 
 
-def reference_attention(q, k_cache, v_cache, table, row_seq, row_last, scale):
+def reference_attention(q, k_cache, v_cache, table, row_seq, row_last, scale, window=0):
     H, Hk = q.shape[1], k_cache.shape[2]
     bs = k_cache.shape[1]
     out = []
     for t in range(q.shape[0]):
-        pos = torch.arange(int(row_last[t]) + 1)
+        pos = torch.arange(max(0, int(row_last[t]) + 1 - window) if window else 0, int(row_last[t]) + 1)
         blocks = table[row_seq[t]][pos // bs]
         k = k_cache[blocks, pos % bs].float().repeat_interleave(H // Hk, dim=1)  # [L, H, D]
         v = v_cache[blocks, pos % bs].float().repeat_interleave(H // Hk, dim=1)
@@ -43,6 +43,22 @@ def test_paged_attention_matches_reference(dtype, tol, head_dim):
     ref = reference_attention(q, k_cache, v_cache, table, row_seq, row_last, head_dim ** -0.5)
     assert got.shape == (len(rows), H * head_dim) and got.dtype == dtype
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [5, 1, 64])
+def test_paged_attention_sliding_window(window):
+    """A row sees only its last `window` positions (1: itself; 64: more than it has)."""
+    g = torch.Generator().manual_seed(3)
+    H, Hk, D, bs, nb = 4, 2, 16, 4, 24
+    k_cache, v_cache = torch.randn(nb, bs, Hk, D, generator=g), torch.randn(nb, bs, Hk, D, generator=g)
+    table = torch.randperm(nb, generator=g)[:16].reshape(2, 8)
+    row_seq, row_last = torch.tensor([0, 1, 1, 1, 0]), torch.tensor([0, 17, 18, 19, 30])
+    q = torch.randn(5, H, D, generator=g) * 3
+    got = ops.paged_attention(q, k_cache, v_cache, table, row_seq, row_last, D ** -0.5, window)
+    ref = reference_attention(q, k_cache, v_cache, table, row_seq, row_last, D ** -0.5, window)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    if window == 5:  # and it differs from full attention
+        assert not torch.allclose(got, ops.paged_attention(q, k_cache, v_cache, table, row_seq, row_last, D ** -0.5))
 
 
 def test_paged_attention_rejects_rows_past_the_block_table():

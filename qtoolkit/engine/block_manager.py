@@ -14,6 +14,7 @@ from collections import OrderedDict
 from .sequence import Sequence
 
 _ROOT = b"qtoolkit-prefix-cache-v1"
+HOLE = -1  # a block_table entry whose block was freed: it lies wholly outside every layer's sliding window
 
 
 def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
@@ -134,9 +135,24 @@ class BlockManager:
                 self.free[block.block_id] = None
         del seq.block_hashes[keep:]
 
+    def free_before(self, seq: Sequence, position: int) -> None:
+        """Free the blocks wholly before `position`, which no later query of `seq` reads (every layer slides its
+        window past them). Their table entries become HOLE so positions keep their block index; a freed block
+        keeps its prefix hash until reused, like any freed block."""
+        i = min(position // self.block_size, len(seq.block_table)) - 1
+        while i >= 0 and seq.block_table[i] != HOLE:
+            block = self.blocks[seq.block_table[i]]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block.block_id] = None
+            seq.block_table[i] = HOLE
+            i -= 1
+
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's references; tail blocks are freed first so shared prefixes stay cached longest."""
         for block_id in reversed(seq.block_table):
+            if block_id == HOLE:
+                continue
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, "block freed twice"

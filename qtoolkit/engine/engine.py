@@ -89,6 +89,9 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, batching=batching)
         self.runner = ModelRunner(self.model, num_blocks, block_size)
+        # when every layer slides a window, blocks wholly behind the smallest one are freed as sequences advance
+        windows = [self.model.config.layer_window(i) for i in range(self.model.config.num_layers)]
+        self.kv_window = None if None in windows else min(windows)
         self.proposer: Proposer | None = None
         self.spec_policy: SpeculationPolicy | None = None
         self.spec_metrics: SpeculativeMetrics | None = None
@@ -202,6 +205,8 @@ class Engine:
                 else:
                     seq.num_computed_tokens += n
                 self.block_manager.register_full_blocks(seq)
+                if self.kv_window is not None:  # the next query, at num_computed_tokens, sees kv_window positions
+                    self.block_manager.free_before(seq, seq.num_computed_tokens - self.kv_window + 1)
             self.counters["steps"] += 1
             for i, (seq, _) in enumerate(work):
                 for token in new_tokens.get(i, ()):

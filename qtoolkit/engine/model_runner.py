@@ -31,6 +31,7 @@ class ModelRunner:
         for i, layer in enumerate(model.layers):
             layer.attn.k_cache, layer.attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         self.group = c.num_heads // c.num_kv_heads
+        self.windows = sorted({w for i in range(c.num_layers) if (w := c.layer_window(i)) is not None})
         # decode and verify rows attend in place over the paged cache when the CPU ops are built
         self.paged_attention = self.kv_cache.device.type == "cpu" and engine_ops() is not None
 
@@ -40,7 +41,7 @@ class ModelRunner:
         counts = [-(-(s.num_computed_tokens + n) // bs) for s, n in seqs]
         table = torch.zeros(len(seqs), max(counts), dtype=torch.long)
         for i, ((s, _), nb) in enumerate(zip(seqs, counts, strict=True)):
-            table[i, :nb] = torch.tensor(s.block_table[:nb])
+            table[i, :nb] = torch.tensor(s.block_table[:nb]).clamp_(min=0)  # a HOLE (freed) reads block 0, masked
         return table
 
     def _paged_group(self, seqs: list[tuple[Sequence, int]], first_row: int) -> AttentionGroup:
@@ -63,9 +64,14 @@ class ModelRunner:
         last_pos = torch.zeros(S, Q, dtype=torch.long)  # the newest position each query row may see
         for i, (s, n) in enumerate(seqs):
             last_pos[i, :n] = torch.arange(s.num_computed_tokens, s.num_computed_tokens + n)
-        mask = torch.arange(max_blocks * bs)[None, None, :] <= last_pos[:, :, None]  # pad rows see slot 0 only
+        slots = torch.arange(max_blocks * bs)[None, None, :]
+        mask = slots <= last_pos[:, :, None]  # pad rows see slot 0 only
+        # a sliding window of w: a query sees its last w positions (transformers: kv > q - w)
+        window_masks = {w: (mask & (slots > last_pos[:, :, None] - w)).unsqueeze(1).repeat(1, 1, G, 1)
+                        for w in self.windows}
         group = AttentionGroup(rows=slice(first_row, first_row + sum(lens)), num_seqs=S, q_len=Q,
-                               block_table=table, mask=mask.unsqueeze(1).repeat(1, 1, G, 1))
+                               block_table=table, mask=mask.unsqueeze(1).repeat(1, 1, G, 1),
+                               window_masks=window_masks)
         if any(n != Q for n in lens):
             gather, scatter, offset = [], [], 0
             for i, n in enumerate(lens):

@@ -1,4 +1,8 @@
-"""A flat LLaMA-family decoder (LLaMA, Mistral, Qwen2) written for paged, continuous batching.
+"""A flat decoder for the LLaMA family and its relatives (LLaMA, Mistral, Qwen2, Gemma 3), written for paged,
+continuous batching. The families differ in pieces the config picks, not in code paths: full or sliding-window
+attention per layer, optional per-head q/k norm, the RMSNorm variant (w or 1 + w), the MLP's activation, a rope
+per layer type, norms around the attention and MLP outputs (Gemma's sandwich), scaled embeddings, final logit
+soft-capping.
 
 All scheduled tokens of a step are flattened into one [T] batch; per-sequence metadata (positions, cache slots,
 block tables, attention groups) tells attention which cached K/V each query sees. A sequence may bring any
@@ -16,10 +20,14 @@ import torch
 import torch.nn.functional as F
 from qtoolkit.kernels.cpu_build import engine_ops
 from torch import nn
+from transformers.activations import ACT2FN
 
 from ..errors import ModelSourceError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text")
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types names
+# families whose config has `use_sliding_window`: without it their sliding_window is ignored (as transformers does)
+USE_SLIDING_WINDOW_FLAG = ("qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclass
@@ -39,39 +47,117 @@ class ModelConfig:
     mlp_bias: bool
     rope_scaling: dict[str, Any] | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # per layer FULL or SLIDING (empty: all FULL); a SLIDING layer's query sees its last `sliding_window` positions
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    local_rope_theta: float | None = None  # sliding layers' own rope base (Gemma 3's rope_local_base_freq)
+    local_rope_scaling: dict[str, Any] | None = None
+    hidden_act: str = "silu"
+    unit_offset_norm: bool = False  # Gemma: RMSNorm weight applied as (1 + w), computed in fp32
+    sandwich_norms: bool = False  # Gemma: RMSNorm on the attention and MLP outputs too
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (default head_dim)
+    # tanh soft-capping of the logits (Gemma). transformers 5.17's Gemma 3 reads attn_logit_softcapping but never
+    # applies it, so the engine does not either
+    final_logit_softcapping: float | None = None
+
+    def layer_window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_types and self.layer_types[i] == SLIDING else None
+
+    def layer_rope(self, i: int) -> tuple[float, dict[str, Any] | None]:
+        """(theta, scaling) of layer i's rotary embedding."""
+        if self.local_rope_theta is not None and self.layer_window(i) is not None:
+            return self.local_rope_theta, self.local_rope_scaling
+        return self.rope_theta, self.rope_scaling
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelSourceError(f"model_type {model_type!r} is not supported by the engine: use a LLaMA, "
-                                   f"Mistral or Qwen2 model ({', '.join(SUPPORTED_MODEL_TYPES)})")
-        rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5 nests rope settings here
-        legacy = cfg.get("rope_scaling") or {}
-        rope = {**legacy, **rope}
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+            raise ModelSourceError(f"model_type {model_type!r} is not supported by the engine: use one of "
+                                   f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        if cfg.get("use_bidirectional_attention"):
+            raise ModelSourceError("bidirectional attention (an embedding model) is not supported by the engine: "
+                                   "use a causal language model")
+        gemma = model_type == "gemma3_text"
+        rope_types = rope_by_layer_type(cfg)
+        global_rope, local_rope = rope_types.get(FULL, {}), rope_types.get(SLIDING)
+        theta = global_rope.get("rope_theta", cfg.get("rope_theta", 1e6 if gemma else 10000.0))
         eos = cfg.get("eos_token_id")
         heads = cfg["num_attention_heads"]
+        layer_types, window = layer_types_and_window(model_type, cfg)
         return cls(
             vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
             num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=cfg.get("head_dim") or (256 if gemma else cfg["hidden_size"] // heads),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),
             qkv_bias=cfg.get("attention_bias", model_type == "qwen2"), mlp_bias=cfg.get("mlp_bias", False),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            rope_scaling=rope_scaling_of(global_rope),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            layer_types=layer_types, sliding_window=window,
+            local_rope_theta=None if local_rope is None else float(local_rope.get("rope_theta", 10000.0)),
+            local_rope_scaling=None if local_rope is None else rope_scaling_of(local_rope),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or
+            ("gelu_pytorch_tanh" if gemma else "silu"),
+            unit_offset_norm=gemma, sandwich_norms=gemma, qk_norm=gemma, embed_scale=gemma,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256) if gemma else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
         )
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_by_layer_type(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Rope settings per layer type: transformers >= 5 nests them in rope_parameters (per layer type for Gemma 3);
+    older configs keep rope_theta / rope_scaling at the top level and Gemma 3's local base in rope_local_base_freq."""
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    if FULL in params or SLIDING in params:
+        return {k: dict(v) for k, v in params.items() if isinstance(v, dict)}
+    ropes = {FULL: {**legacy, **params}}
+    if "rope_local_base_freq" in cfg or cfg.get("model_type") == "gemma3_text":
+        ropes[SLIDING] = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+    return ropes
+
+
+def rope_scaling_of(rope: dict[str, Any]) -> dict[str, Any] | None:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    return None if kind == "default" else {**rope, "rope_type": kind}
+
+
+def layer_types_and_window(model_type: str, cfg: dict[str, Any]) -> tuple[list[str], int | None]:
+    """Which layers attend through a sliding window, following each family's transformers config class."""
+    n = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window", 4096 if model_type == "mistral" else None)  # MistralConfig's default
+    if model_type in USE_SLIDING_WINDOW_FLAG and not cfg.get("use_sliding_window", False):
+        window = None
+    types = cfg.get("layer_types")
+    if types is None:
+        if model_type in ("mistral", "mixtral"):  # one window on every layer
+            types = [SLIDING] * n
+        elif model_type == "gemma3_text":
+            pattern = cfg.get("sliding_window_pattern", 6)
+            types = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+        elif model_type in USE_SLIDING_WINDOW_FLAG:
+            first = cfg.get("max_window_layers", 28)
+            types = [SLIDING if i >= first else FULL for i in range(n)]
+        else:
+            types = [FULL] * n
+    if len(types) != n or any(t not in (FULL, SLIDING) for t in types):
+        raise ModelSourceError(f"layer_types {types} is not supported by the engine: give {n} entries, each "
+                               f"{FULL!r} or {SLIDING!r}")
+    if window is None or SLIDING not in types:
+        return [FULL] * n, None
+    if int(window) <= 0:
+        raise ModelSourceError(f"sliding_window {window} must be a positive number of tokens")
+    return list(types), int(window)
+
+
+def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Rotary frequencies, computed exactly as transformers does (so fp32 logits match it bit for bit)."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if scaling is None:
         return inv_freq
     kind = scaling["rope_type"]
@@ -103,6 +189,7 @@ class AttentionGroup:
     q_len: int
     block_table: torch.Tensor  # [S, max_blocks] int64, padded with block 0
     mask: torch.Tensor | None = None  # [S, 1, G*Q, max_blocks*block_size] bool, True = may attend
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # the same per sliding window size
     gather: torch.Tensor | None = None
     scatter: torch.Tensor | None = None
     # paged path (engine_ops.paged_attention, no padding): each row's sequence and newest visible position
@@ -126,18 +213,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.group = self.num_heads // self.num_kv_heads
-        self.scale = self.head_dim ** -0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.window = config.layer_window(layer)  # None: full causal attention
         self.qkv_proj: nn.Module | None = None  # fused q|k|v, set by the loader
         self.o_proj: nn.Module | None = None
+        # per-head norms over [tokens, heads, head_dim] before RoPE (Qwen3, Gemma 3); weights set by the loader
+        norm = norm_class(config)
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_cache = self.v_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, D], set by the runner
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, H, Hk, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)  # .forward: no hooks here, and ~3 us a call saved
+        if self.q_norm is not None:
+            qkv = self._qk_norm(qkv)
         ops = engine_ops() if self.k_cache.device.type == "cpu" and qkv.dtype == self.k_cache.dtype else None
         if ops is not None:
             q = ops.rope_and_cache(qkv.contiguous(), cos, sin, self.k_cache, self.v_cache, batch.slot_mapping, H, Hk)
@@ -155,10 +249,17 @@ class Attention(nn.Module):
             out[group.rows] = o if group.scatter is None else o.index_select(0, group.scatter)
         return self.o_proj.forward(out)
 
+    def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        """q|k|v with q and k normalised per head; v passes through."""
+        T, H, Hk, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_norm(qkv[:, :H * D].view(T, H, D)).view(T, H * D)
+        k = self.k_norm(qkv[:, H * D:(H + Hk) * D].view(T, Hk, D)).view(T, Hk * D)
+        return torch.cat((q, k, qkv[:, (H + Hk) * D:]), dim=-1)
+
     def _attend(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         if g.row_seq is not None:
             return engine_ops().paged_attention(q[g.rows], self.k_cache, self.v_cache, g.block_table, g.row_seq,
-                                                g.row_last, self.scale)
+                                                g.row_last, self.scale, self.window or 0)
         S, Q, Hk, G, D = g.num_seqs, g.q_len, self.num_kv_heads, self.group, self.head_dim
         qg = q[g.rows] if g.gather is None else q[g.rows].index_select(0, g.gather)
         # GQA without repeating K/V: the G query heads sharing a KV head become G*Q query rows
@@ -167,7 +268,8 @@ class Attention(nn.Module):
         L = g.block_table.shape[1] * self.k_cache.shape[1]
         k = self.k_cache.index_select(0, blocks).view(S, L, Hk, D).transpose(1, 2)
         v = self.v_cache.index_select(0, blocks).view(S, L, Hk, D).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=self.scale)
+        mask = g.mask if self.window is None else g.window_masks[self.window]
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
         return o.view(S, Hk, G, Q, D).permute(0, 3, 1, 2, 4).reshape(S * Q, Hk * G * D)
 
 
@@ -175,16 +277,18 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate = config.intermediate_size
+        # SwiGLU runs fused; any other gate activation (Gemma's gelu-tanh GeGLU) is transformers' own function
+        self.act = None if config.hidden_act == "silu" else ACT2FN[config.hidden_act]
         self.gate_up_proj: nn.Module | None = None  # fused gate|up, set by the loader
         self.down_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
-        ops = engine_ops() if not gate_up.is_cuda and gate_up.dim() == 2 else None
+        ops = engine_ops() if not gate_up.is_cuda and gate_up.dim() == 2 and self.act is None else None
         if ops is not None:
             return self.down_proj.forward(ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up)
+        return self.down_proj.forward((F.silu(gate) if self.act is None else self.act(gate)) * up)
 
 
 class RMSNorm(nn.Module):
@@ -198,28 +302,67 @@ class RMSNorm(nn.Module):
         var = x.pow(2).mean(-1, keepdim=True)
         return self.weight * (x * torch.rsqrt(var + self.eps))
 
+    def fused_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The weight add_rms_norm multiplies by, or None where the fused op would not give this norm's math."""
+        return self.weight if x.dtype in (torch.float32, torch.bfloat16) else None
+
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); residual None means x is the residual."""
-        ops = engine_ops() if not x.is_cuda and x.dtype in (torch.float32, torch.bfloat16) else None
+        weight = None if x.is_cuda else self.fused_weight(x)
+        ops = engine_ops() if weight is not None else None
         if ops is not None:
-            out, res = ops.add_rms_norm(x.contiguous(), residual, self.weight, self.eps)
+            out, res = ops.add_rms_norm(x.contiguous(), residual, weight, self.eps)
             return out, res
         residual = x if residual is None else residual + x
         return self(residual), residual
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the stored weight w is applied as (1 + w), the whole norm in fp32, cast back once."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps)
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+        self._unit: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight it was made from, 1 + weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+    def fused_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        # fp32 only: the fused op multiplies by a weight in x's dtype, and a bf16 (1 + w) would round
+        if x.dtype != torch.float32:
+            return None
+        if self._unit is None or self._unit[0] is not self.weight:
+            self._unit = (self.weight, 1.0 + self.weight.float())
+        return self._unit[1]
+
+
+def norm_class(config: ModelConfig) -> type[RMSNorm]:
+    return GemmaRMSNorm if config.unit_offset_norm else RMSNorm
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config)
-        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = norm_class(config)
+        self.input_norm = norm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, layer)
+        self.post_attn_norm = norm(config.hidden_size, config.rms_norm_eps)  # the MLP's input norm
         self.mlp = MLP(config)
+        # Gemma's sandwich: norms on the attention and MLP outputs before each joins the residual
+        self.attn_out_norm = norm(config.hidden_size, config.rms_norm_eps) if config.sandwich_norms else None
+        self.mlp_out_norm = norm(config.hidden_size, config.rms_norm_eps) if config.sandwich_norms else None
 
     def forward(self, x, residual, cos, sin, batch):
         h, residual = self.input_norm.add_forward(x, residual)
-        h, residual = self.post_attn_norm.add_forward(self.attn.forward(h, cos, sin, batch), residual)
-        return self.mlp.forward(h), residual
+        h = self.attn.forward(h, cos, sin, batch)
+        if self.attn_out_norm is not None:
+            h = self.attn_out_norm(h)
+        h, residual = self.post_attn_norm.add_forward(h, residual)
+        h = self.mlp.forward(h)
+        return (h if self.mlp_out_norm is None else self.mlp_out_norm(h)), residual
 
 
 class LlamaModel(nn.Module):
@@ -227,10 +370,17 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config, self.dtype = config, dtype
         self.embed_tokens = nn.Parameter(torch.empty(0), requires_grad=False)  # [V, hidden], set by the loader
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = norm_class(config)(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Module | None = None
-        freqs = torch.outer(torch.arange(config.max_position_embeddings).float(), rope_inv_freq(config))
+        # one cos/sin table per distinct rope (Gemma 3: local and global layers); layer i reads rope_index[i]
+        ropes = [config.layer_rope(i) for i in range(config.num_layers)]
+        keys = [(theta, repr(scaling)) for theta, scaling in ropes]
+        distinct = list(dict.fromkeys(keys))
+        self.rope_index = [distinct.index(k) for k in keys]
+        positions = torch.arange(config.max_position_embeddings).float()
+        freqs = torch.stack([torch.outer(positions, rope_inv_freq(config.head_dim, *ropes[keys.index(k)]))
+                             for k in distinct])  # [ropes, positions, D/2]
         self.register_buffer("rope_cos", freqs.cos(), persistent=False)
         self.register_buffer("rope_sin", freqs.sin(), persistent=False)
 
@@ -249,11 +399,17 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the scheduled tokens; returns float32 logits [rows, vocab] for batch.logits_rows."""
         x = F.embedding(batch.input_ids, self.embed_tokens).to(self.dtype)  # a bf16 table may feed fp32 layers
-        cos = self.rope_cos.index_select(0, batch.positions).unsqueeze(1)
-        sin = self.rope_sin.index_select(0, batch.positions).unsqueeze(1)
+        if self.config.embed_scale:  # the scale rounded to the activations' dtype first, as transformers does
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=self.dtype)
+        cos = self.rope_cos.index_select(1, batch.positions).unsqueeze(2)  # [ropes, T, 1, D/2]
+        sin = self.rope_sin.index_select(1, batch.positions).unsqueeze(2)
         residual = None
-        for layer in self.layers:
-            x, residual = layer.forward(x, residual, cos, sin, batch)
+        for layer, r in zip(self.layers, self.rope_index, strict=True):
+            x, residual = layer.forward(x, residual, cos[r], sin[r], batch)
         if batch.logits_rows is not None:
             x, residual = x.index_select(0, batch.logits_rows), residual.index_select(0, batch.logits_rows)
-        return self.lm_head.forward(self.norm.add_forward(x, residual)[0]).float()
+        logits = self.lm_head.forward(self.norm.add_forward(x, residual)[0])
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import ModelSourceError
 from ..sources import ModelSource
-from .llama import LlamaModel, ModelConfig
+from .llama import DecoderLayer, LlamaModel, ModelConfig
 from .quant_linear import DenseLinear
 
 # Why "auto" means float32 for dense weights on this CPU (MEASUREMENTS.md, AVX2 without native bf16):
@@ -125,6 +125,21 @@ class LinearFactory:
         return self.quant_linear.fuse_linears(mods) if len(mods) > 1 else mods[0]
 
 
+def layer_norm_names(layer: DecoderLayer, p: str, attn: str) -> list[tuple[nn.Module, str]]:
+    """Each RMSNorm of a decoder layer with its checkpoint tensor. With Gemma's sandwich norms transformers'
+    post_attention_layernorm is the attention output's norm and pre_feedforward_layernorm the MLP's input norm."""
+    if layer.attn_out_norm is None:
+        norms = [(layer.input_norm, "input_layernorm"), (layer.post_attn_norm, "post_attention_layernorm")]
+    else:
+        norms = [(layer.input_norm, "input_layernorm"), (layer.attn_out_norm, "post_attention_layernorm"),
+                 (layer.post_attn_norm, "pre_feedforward_layernorm"),
+                 (layer.mlp_out_norm, "post_feedforward_layernorm")]
+    named = [(norm, p + name + ".weight") for norm, name in norms]
+    if layer.attn.q_norm is not None:
+        named += [(layer.attn.q_norm, attn + "q_norm.weight"), (layer.attn.k_norm, attn + "k_norm.weight")]
+    return named
+
+
 def load_model(source: ModelSource, dtype: str = "auto") -> LlamaModel:
     config = ModelConfig.from_hf(source.config)
     torch_dtype = resolve_dtype(dtype)
@@ -141,10 +156,9 @@ def load_model(source: ModelSource, dtype: str = "auto") -> LlamaModel:
     model.embed_tokens = nn.Parameter(take("model.embed_tokens.weight", dense=True), requires_grad=False)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        layer.input_norm.weight = nn.Parameter(take(p + "input_layernorm.weight"), requires_grad=False)
-        layer.post_attn_norm.weight = nn.Parameter(take(p + "post_attention_layernorm.weight"),
-                                                   requires_grad=False)
         attn = p + "self_attn."
+        for norm, name in layer_norm_names(layer, p, attn):
+            norm.weight = nn.Parameter(take(name), requires_grad=False)
         layer.attn.qkv_proj = factory.make([attn + "q_proj", attn + "k_proj", attn + "v_proj"])
         layer.attn.o_proj = factory.make([attn + "o_proj"])
         mlp = p + "mlp."

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...model.llama import LlamaModel
+from ...model.llama import LlamaModel, RMSNorm
 from .base import SpeculativeConfigError
 
 # Group 32 with zero points lines up with the default model's Q4_1 blocks (scale + min per 32 weights): measured
@@ -56,14 +56,15 @@ def quantize_copy(target: LlamaModel, kind: str) -> LlamaModel:
 
     draft = LlamaModel(target.config, torch.float32)
     draft.embed_tokens = nn.Parameter(target.embed_tokens.float(), requires_grad=False)
+    norms = dict(target.named_modules())
+    for name, norm in draft.named_modules():  # every norm the family has (q/k norms, Gemma's sandwich included)
+        if isinstance(norm, RMSNorm):
+            norm.weight = nn.Parameter(norms[name].weight.float(), requires_grad=False)
     for i, (src, dst) in enumerate(zip(target.layers, draft.layers, strict=True)):
-        dst.input_norm.weight = nn.Parameter(src.input_norm.weight.float(), requires_grad=False)
-        dst.post_attn_norm.weight = nn.Parameter(src.post_attn_norm.weight.float(), requires_grad=False)
         dst.attn.qkv_proj = quantized(src.attn.qkv_proj, f"layer {i} qkv_proj")
         dst.attn.o_proj = quantized(src.attn.o_proj, f"layer {i} o_proj")
         dst.mlp.gate_up_proj = quantized(src.mlp.gate_up_proj, f"layer {i} gate_up_proj")
         dst.mlp.down_proj = quantized(src.mlp.down_proj, f"layer {i} down_proj")
-    draft.norm.weight = nn.Parameter(target.norm.weight.float(), requires_grad=False)
     # the tied head is a fifth of an fp32 step's bytes: quantizing it too is what makes the draft cheap
     draft.lm_head = quantized(target.lm_head, "lm_head", HEAD_SCHEMES[kind])
     draft.cast_rope()

@@ -23,11 +23,13 @@ from .draft import GREEDY, draft_generator, draft_steps
 
 
 def shares_kv_layout(draft: LlamaModel, target: LlamaModel) -> bool:
-    """Whether the draft's attention can read the target's cache: same layers, KV heads, head size and dtype."""
+    """Whether the draft's attention can read the target's cache: same layers, KV heads, head size, dtype and
+    sliding windows (blocks the target frees outside its windows are gone for the draft too)."""
     a, b = draft.config, target.config
     return ((a.num_layers, a.num_kv_heads, a.head_dim, a.vocab_size) == (b.num_layers, b.num_kv_heads, b.head_dim,
                                                                          b.vocab_size)
-            and draft.dtype == target.dtype)
+            and draft.dtype == target.dtype
+            and [a.layer_window(i) for i in range(a.num_layers)] == [b.layer_window(i) for i in range(b.num_layers)])
 
 
 class SharedKVDraftProposer:
