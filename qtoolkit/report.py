@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .io import write_json
+from .report_deployment import deployment_lines
 
 _STATUS = {True: "PASS", False: "FAIL"}
 
@@ -165,12 +166,14 @@ def markdown(report: dict[str, Any]) -> str:
     if report["reasons"]:
         lines += ["## Why it fails", ""] + [f"- {r}" for r in report["reasons"]] + [""]
     lines += ["## Gates", "", "| gate | result | point | judged (CI bound) | detail |", "|---|---|---|---|---|"]
-    lines += [f"| {g['name']} | {_STATUS[g['passed']]} | {_fmt(g['point'])} | {_fmt(g['judged'])} | {g['detail']} |"
+    lines += [f"| {g['name']} | {g.get('state') or _STATUS[g['passed']]} | {_fmt(g['point'])} | {_fmt(g['judged'])} | "
+              f"{g['detail']} |"
               for g in report["gates"]]
     lines += ["", "## Steps", "", "| step | status | seconds | note |", "|---|---|---|---|"]
     for name, s in report["steps"].items():
         note = s.get("error", "reused" if s.get("skipped") else "")
         lines.append(f"| {name} | {s.get('status')} | {_fmt(s.get('seconds'))} | {note} |")
+    lines += deployment_lines(report)  # endpoints, their bench tiers, what they cannot give (deployment sign-off)
     ab = report.get("ablation")
     if ab:
         lines += ["", "## Ablation: output tok/s per layer (marginal gain over the layer above)", ""]

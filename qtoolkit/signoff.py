@@ -41,6 +41,13 @@ class SignoffConfig:
     diagnose_batches: tuple[int, ...] = (1, 8)
     seed: int = 0
     rounds: int = 5  # of the throughput gates' systems at the top tier: the gates judge their spread
+    # a deployment sign-off (qtoolkit.signoff_deployment): both sides measured through endpoints; `model` and
+    # `baseline` then name the local checkpoints (tokenizers, memory figures)
+    candidate_endpoint: str | None = None
+    baseline_endpoint: str | None = None
+    baseline: str | None = None
+    candidate_model_id: str | None = None
+    baseline_model_id: str | None = None
 
 
 @dataclass
@@ -50,6 +57,7 @@ class Gate:
     detail: str
     point: float | None = None
     judged: float | None = None
+    state: str | None = None  # "not measurable": the deployment cannot give the figure (an INCONCLUSIVE gate)
 
 
 class StepRunner:
@@ -143,6 +151,10 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     from .ablation import ablation_table
     from .report import write_reports
 
+    if cfg.candidate_endpoint or cfg.baseline_endpoint:
+        from .signoff_deployment import signoff_deployments
+
+        return signoff_deployments(cfg)
     if cfg.limit <= 0:
         raise QToolError(f"--limit must be a positive number of items, got {cfg.limit}")
     if cfg.rounds <= 0:
