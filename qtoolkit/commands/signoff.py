@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     report = signoff(SignoffConfig(model=args.model, recipe=args.recipe, output=args.output, policy=args.policy,
                                    limit=args.limit, endpoint=args.endpoint, concurrency=args.concurrency,
                                    num_requests=args.num_requests, rounds=args.rounds,
-                                   speculative=None if args.speculative.lower() == "none" else args.speculative,
+                                   speculative=None if deployed or args.speculative.lower() == "none"
+                                   else args.speculative,
                                    candidate_endpoint=args.candidate_endpoint, baseline_endpoint=args.baseline_endpoint,
                                    baseline=args.baseline, candidate_model_id=args.candidate_model_id,
                                    baseline_model_id=args.baseline_model_id))
