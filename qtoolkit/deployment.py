@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-
-from .errors import QToolError
+from qtoolkit.evals.backend import BackendError
 
 ROLE_KEY_ENV = {"candidate": "QTOOLKIT_CANDIDATE_API_KEY", "baseline": "QTOOLKIT_BASELINE_API_KEY"}
 SHARED_KEY_ENV = ("QTOOLKIT_API_KEY", "OPENAI_API_KEY")
@@ -23,7 +22,7 @@ MAX_RETRY_AFTER_S = 30.0  # a longer Retry-After is a server that is down, not b
 MAX_BACKOFF_S = 8.0
 
 
-class EndpointError(QToolError):
+class EndpointError(BackendError):  # a QToolError: exit 2
     """An endpoint is unreachable, refuses our key, or serves a different model than named."""
 
 
