@@ -134,8 +134,13 @@ def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, Endpo
     reasons += [f"gate {g.name} {g.detail}" if g.state else f"gate {g.name} failed: {g.detail}"
                 for g in failed_gates]
     not_measurable = [{"key": k, "what": what, "reason": why} for k, what, why in ALWAYS_NOT_MEASURABLE]
+    for task, entry in ((evals or {}).get("tasks") or {}).items():  # what the endpoints could not score
+        for line in (entry.get("summary") or {}).get("not_computed", []):
+            figures, _, why = line.partition(": ")
+            not_measurable.append({"key": f"{task}.scores", "what": f"{task}: {figures}", "reason": why})
     not_measurable += [{"key": g.name, "what": f"gate {g.name}", "reason": g.detail.split(": ", 1)[1]}
-                       for g in gates if g.state == NOT_MEASURABLE and not g.name.split(".")[1].startswith("kld")]
+                       for g in gates if g.state == NOT_MEASURABLE and g.name.split(".")[0] not in ("code",
+                                                                                           "summarization")]
     report = {
         **provenance(model={"candidate": cfg.model, "baseline": cfg.baseline or cfg.model},
                      deployments={r: i.url for r, i in infos.items()},
