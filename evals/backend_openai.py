@@ -8,7 +8,7 @@ exposed, so KL divergence cannot be computed through an endpoint and tasks say s
 
 from __future__ import annotations
 
-import time
+from dataclasses import asdict, replace
 from typing import Any
 
 from . import backend
@@ -18,25 +18,34 @@ from .backend import BackendError, Generation, GenParams, Scored, ScoringUnsuppo
 class RequestRefused(BackendError):
     """The endpoint answered with a 4xx: retrying will not help."""
 
+    def __init__(self, message: str, response: Any = None):
+        super().__init__(message)
+        self.status = getattr(response, "status_code", None)
+        try:  # the server's own one-line reason, for reports
+            self.reason = str(response.json()["error"]["message"])[:160]
+        except (AttributeError, KeyError, TypeError, ValueError):
+            self.reason = getattr(response, "text", "")[:160]
+
 
 class OpenAIBackend:
     name = "openai"
     full_distributions = False
 
     def __init__(self, url: str, *, model_spec: str | None = None, tokenizer_spec: str | None = None,
-                 retries: int = 3, timeout_s: float = 300.0, concurrency: int = 8, **_: Any):
+                 retries: int = 4, timeout_s: float = 300.0, concurrency: int = 8, role: str = "candidate",
+                 model_id: str | None = None, **_: Any):
         import httpx
 
+        from qtoolkit.deployment import endpoint, probe
         from qtoolkit.sources import resolve_model
 
-        self.url = url.rstrip("/")
-        if not self.url.endswith("/v1"):
-            self.url += "/v1"
+        # the key comes from the role's environment variable (see qtoolkit.deployment), never from arguments
+        self.deployment = replace(endpoint(role, url, model_id=model_id, timeout_s=timeout_s), retries=retries)
+        self.url = self.deployment.url + "/v1"
         self.retries, self.concurrency = retries, concurrency
-        self.client = httpx.Client(timeout=timeout_s)
-        models = self._request("GET", "/models")
-        data = models.get("data") or [{}]
-        self.model_id = data[0].get("id", "default")
+        self.client = httpx.Client(timeout=timeout_s, headers=self.deployment.headers())
+        self.info = probe(self.deployment)  # one clear error if unreachable, keyless or serving another model
+        self.model_id = self.info.model_id
         tok_spec = tokenizer_spec or model_spec
         if tok_spec is None:
             raise BackendError(f"{url} needs a local tokenizer: pass --model (or --baseline) naming the same model")
@@ -46,26 +55,17 @@ class OpenAIBackend:
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "endpoint": self.url, "model_id": self.model_id,
-                "tokenizer": self.source.describe()}
+                "tokenizer": self.source.describe(), "deployment": asdict(self.info)}
 
     def _request(self, method: str, path: str, payload: dict | None = None) -> dict:
-        import httpx
+        from qtoolkit.deployment import request
 
-        last = ""
-        for attempt in range(self.retries):
-            try:
-                r = self.client.request(method, self.url + path, json=payload)
-                if r.status_code < 500:
-                    if r.status_code >= 400:
-                        raise RequestRefused(f"{self.url}{path} refused the request ({r.status_code}: "
-                                           f"{r.text[:200]}): check the endpoint serves the model")
-                    return r.json()
-                last = f"HTTP {r.status_code}"
-            except httpx.HTTPError as e:
-                last = f"{type(e).__name__}: {e}"
-            time.sleep(min(2.0 ** attempt * 0.5, 4.0))
-        raise BackendError(f"endpoint {self.url} did not answer after {self.retries} tries ({last}): "
-                           "start the server or fix --endpoint")
+        r = request(self.client, method, self.url + path, json=payload, retries=self.retries,
+                    what=f"the {self.deployment.role} endpoint", fix="start the server or fix the endpoint URL")
+        if r.status_code >= 400:
+            raise RequestRefused(f"{self.url}{path} refused the request ({r.status_code}: "
+                                 f"{r.text[:200]}): check the endpoint serves the model", r)
+        return r.json()
 
     def _complete(self, payload: dict) -> dict:
         return self._request("POST", "/completions", {"model": self.model_id, **payload})
@@ -103,7 +103,8 @@ class OpenAIBackend:
                 resp = self._complete({"prompt": ids, "max_tokens": 1, "temperature": 0.0, "echo": True,
                                        "logprobs": 1})
             except RequestRefused as e:
-                raise ScoringUnsupported(f"{self.url} cannot score prompts (echo + logprobs refused: {e})") from None
+                raise ScoringUnsupported(f"{self.url} does not score prompts (echo + logprobs refused with HTTP "
+                                         f"{e.status}: {e.reason})") from None
             lp = (resp["choices"][0].get("logprobs") or {})
             token_lp = lp.get("token_logprobs") or []
             if len(token_lp) < len(ids):

@@ -30,6 +30,8 @@ class EvalConfig:
     baseline_endpoint: str | None = None
     seed: int = 0
     overwrite: bool = False
+    model_id: str | None = None  # the served model each endpoint must list in /v1/models
+    baseline_model_id: str | None = None
     task_options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -54,9 +56,12 @@ class _LazyPair:
         if self.pair is None:
             c = self.cfg
             status("loading candidate and baseline models")
-            cand = make_backend(c.model, kind=c.backend, endpoint=c.endpoint, tokenizer_from=c.model or c.baseline)
+            ids = [{"role": "candidate", "model_id": c.model_id} if c.endpoint else {},
+                   {"role": "baseline", "model_id": c.baseline_model_id} if c.baseline_endpoint else {}]
+            cand = make_backend(c.model, kind=c.backend, endpoint=c.endpoint, tokenizer_from=c.model or c.baseline,
+                                **ids[0])
             base = make_backend(c.baseline, kind=c.backend, endpoint=c.baseline_endpoint,
-                                tokenizer_from=c.baseline or c.model)
+                                tokenizer_from=c.baseline or c.model, **ids[1])
             check_same_vocabulary(cand, base)
             self.pair = (cand, base)
         return self.pair

@@ -21,6 +21,7 @@ import numpy as np
 from .workloads import BenchRequest, arrival_offsets
 
 _REQUEST_TIMEOUT_S = 600.0
+STREAM_TRIES = 4  # a request refused with 429/503 is sent again up to this many times in all
 
 
 @dataclass
@@ -34,6 +35,9 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # gaps between streamed chunks after the first
     error: str | None = None
     speculative: dict[str, Any] | None = None  # the server's per-request speculative decoding figures, if any
+    status: int | None = None  # the HTTP status of a refused request
+    retry_after: str | None = None  # its Retry-After header
+    retries: int = 0  # 429/503 answers waited out before this result
 
 
 def request_body(model: str, req: BenchRequest, *, api: str, ignore_eos: bool) -> dict[str, Any]:
@@ -55,6 +59,24 @@ def _chunk_text(choice: dict[str, Any]) -> str:
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], index: int) -> RequestResult:
+    """One streamed request, sent again on 429/503 (Retry-After honoured, capped); the waits count in its TTFT
+    and latency, as they would for a user."""
+    from .deployment import RETRY_STATUS, backoff_s
+
+    start = time.perf_counter()
+    for attempt in range(STREAM_TRIES):
+        result = await _stream_once(client, url, body, index)
+        if result.status not in RETRY_STATUS or attempt + 1 == STREAM_TRIES:
+            break
+        await asyncio.sleep(backoff_s(attempt, result.retry_after))
+    waited = time.perf_counter() - start - result.latency
+    result.latency += waited
+    result.ttft = None if result.ttft is None else result.ttft + waited
+    result.retries = attempt
+    return result
+
+
+async def _stream_once(client: httpx.AsyncClient, url: str, body: dict[str, Any], index: int) -> RequestResult:
     """Send one streamed request and time its chunks."""
     result = RequestResult(index, ok=False)
     start = time.perf_counter()
@@ -63,6 +85,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
     try:
         async with client.stream("POST", url, json=body, timeout=_REQUEST_TIMEOUT_S) as resp:
             if resp.status_code != 200:
+                result.status, result.retry_after = resp.status_code, resp.headers.get("retry-after")
                 result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
                 return result
             async for line in resp.aiter_lines():

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .io import write_json
+from .report_deployment import deployment_lines
 
 _STATUS = {True: "PASS", False: "FAIL"}
 _COLORS = {"PASS": "#1a7f37", "FAIL": "#cf222e", "INCONCLUSIVE": "#9a6700"}
@@ -19,6 +20,8 @@ _COLORS = {"PASS": "#1a7f37", "FAIL": "#cf222e", "INCONCLUSIVE": "#9a6700"}
 def _verdict(g: dict[str, Any]) -> str:
     """A gate's verdict as shown: PASS / FAIL / INCONCLUSIVE / no evidence (older reports: passed only)."""
     v = g.get("verdict") or _STATUS[g["passed"]]
+    if g.get("state"):  # e.g. "not measurable" on a deployment sign-off
+        return f"{v} ({g['state']})"
     return "no evidence" + ("" if g.get("required", True) else " (not required)") if v == "NO EVIDENCE" else v
 
 
@@ -182,6 +185,7 @@ def markdown(report: dict[str, Any]) -> str:
     for name, s in report["steps"].items():
         note = s.get("error", "reused" if s.get("skipped") else "")
         lines.append(f"| {name} | {s.get('status')} | {_fmt(s.get('seconds'))} | {note} |")
+    lines += deployment_lines(report)  # endpoints, their bench tiers, what they cannot give (deployment sign-off)
     ab = report.get("ablation")
     if ab:
         lines += ["", "## Ablation: output tok/s per layer (marginal gain over the layer above)", ""]

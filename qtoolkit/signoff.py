@@ -46,6 +46,13 @@ class SignoffConfig:
     max_items: int | None = None  # budget of items per task when a quality gate is inconclusive (qtoolkit/sequential.py)
     allow_weak_sandbox: bool = False  # run model-written code even where bubblewrap cannot
     rejudge: bool = False  # decide again from the step outputs in `output`, running nothing
+    # a deployment sign-off (qtoolkit.signoff_deployment): both sides measured through endpoints; `model` and
+    # `baseline` then name the local checkpoints (tokenizers, memory figures)
+    candidate_endpoint: str | None = None
+    baseline_endpoint: str | None = None
+    baseline: str | None = None
+    candidate_model_id: str | None = None
+    baseline_model_id: str | None = None
 
 
 @dataclass
@@ -64,6 +71,7 @@ class Gate:
     def of(cls, name: str, j: verdicts.Judgement, point: float | None = None, judged: float | None = None) -> Gate:
         return cls(name, j.verdict == verdicts.PASS, j.detail, point, judged, j.verdict, j.required, j.resolution,
                    j.ci_method)
+    state: str | None = None  # "not measurable": the deployment cannot give the figure (an INCONCLUSIVE gate)
 
 
 class StepRunner:
@@ -162,6 +170,12 @@ def evaluate_gates(policy: Policy, evals: dict[str, Any] | None, ablation: dict[
 
 def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     """Run every step (or reuse it), decide, and write report.{json,md,html} into cfg.output."""
+    if cfg.candidate_endpoint or cfg.baseline_endpoint:
+        from .signoff_deployment import (
+            signoff_deployments,  # it imports this module: a top-level import cycles
+        )
+
+        return signoff_deployments(cfg)
     if cfg.limit <= 0:
         raise QToolError(f"--limit must be a positive number of items, got {cfg.limit}")
     if cfg.rounds <= 0:

@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="model to serve (`default`, folder, .gguf); with --endpoint, the served model's name")
     p.add_argument("--endpoint", default=None, help="an existing OpenAI-compatible server, e.g. http://host:8000/v1")
-    p.add_argument("--api-key", default=None, help="bearer key for --endpoint")
+    p.add_argument("--api-key", default=None, help="deprecated (a command line shows in `ps`): the bearer key for "
+                   "--endpoint is read from QTOOLKIT_API_KEY or OPENAI_API_KEY")
     p.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 32], help="tiers, e.g. 1,4,16,32")
     p.add_argument("--batching", type=_modes, default=["continuous"],
                    help="static, continuous, or static,continuous to measure both (and their ratio) in one run")
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     from ..bench import bench_serve, format_table
+    from ..deployment import Deployment
     from ..engine.speculative import check_speculative_args
     from ..errors import QToolError
     from ..io import lock_output, write_json
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                          workload=args.workload, rate=args.rate, num_requests=args.num_requests,
                          compare_hf=args.compare == "hf", seed=args.seed, mean_output_tokens=args.mean_output_tokens,
                          max_output_tokens=args.max_output_tokens, api=args.api, ignore_eos=args.ignore_eos,
-                         api_key=args.api_key, kv_cache_memory=args.kv_cache_memory,
+                         api_key=args.api_key or Deployment("endpoint").api_key(), kv_cache_memory=args.kv_cache_memory,
                          max_num_seqs=args.max_num_seqs, dtype=args.dtype, speculative=args.speculative,
                          num_speculative_tokens=args.num_speculative_tokens,
                          on_tier=lambda partial: write_json(args.output, partial))

