@@ -102,7 +102,13 @@ def test_crash_is_an_error_not_a_fail(tmp_path, capsys):
     (out / "steps.json").write_text("{not json")
     rc, _, stderr = _signoff(out, policy, capsys)
     lines = stderr.strip().splitlines()
-    assert rc == 2 and len(lines) == 1 and lines[0].startswith("qtool: error: unexpected JSONDecodeError"), stderr
+    assert rc == 2 and len(lines) == 1 and "steps.json is not valid JSON" in lines[0], stderr
+    out = tmp_path / "run2"
+    _fabricate(out, _summary(_kld(0.01, 0.02), [0] * 8, [0] * 8))
+    (out / "eval.json").write_text("[1, 2]")  # valid JSON of the wrong shape: a bug path, not a user error
+    rc, _, stderr = _signoff(out, policy, capsys)
+    lines = stderr.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("qtool: error: unexpected "), stderr
     rc, _, stderr = _signoff(tmp_path / "nothing", policy, capsys)
     assert rc == 2 and "holds no sign-off steps" in stderr
 
