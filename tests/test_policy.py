@@ -46,7 +46,7 @@ def test_verdict_inputs_missing_fail_the_gate(tmp_path):
     assert {g.detail for g in gates if g.name.startswith("code.")} == {"no code evaluation results"}
 
 
-def test_identical_models_pass_quality_gates():
+def test_identical_models_never_fail_quality_gates():
     same = [0.5, 0.2, 0.9, 0.4]
     summary = {"pass@1": paired_delta(same, same, seed=0),
                "nll_canonical_solution": paired_delta(same, same, seed=0),
@@ -54,7 +54,9 @@ def test_identical_models_pass_quality_gates():
     evals = {"tasks": {"code": {"summary": summary}}}
     policy = load_policy("default").model_copy(update={"tasks": {"code": load_policy().tasks["code"]}})
     gates = {g.name: g for g in evaluate_gates(policy, evals, None, None)}
-    assert all(gates[f"code.{m}"].passed for m in ("kld_mean", "nll_delta", "pass_at_1_drop"))
+    # four all-equal deltas are too few for a reliable interval (evals/stats.py): undecided, never FAIL
+    assert not any(gates[f"code.{m}"].verdict == "FAIL" for m in ("kld_mean", "nll_delta", "pass_at_1_drop"))
+    assert gates["code.kld_mean"].passed
     assert not gates["throughput.min_speedup"].passed  # no bench results: never a silent PASS
 
 
