@@ -7,13 +7,19 @@ import contextlib
 import json
 import sys
 
+from qtoolkit.errors import QToolError
+
 HELP = "quantize a model with a recipe (recipes/*.yaml) into a compressed-tensors checkpoint"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="`default`, a Hugging Face folder or a .gguf file")
-    p.add_argument("--recipe", required=True, help="a recipe name in recipes/ (e.g. int4-rtn) or a YAML path")
-    p.add_argument("--output", required=True, help="output folder (written atomically)")
+    p.add_argument("--recipe", required=True,
+                   help="a recipe name in recipes/ (e.g. int4-rtn) or a YAML path: qtoolkit's schema or an "
+                        "llm-compressor recipe file as `oneshot(recipe=...)` reads it")
+    p.add_argument("--output", help="output folder (written atomically); required unless --print-recipe")
+    p.add_argument("--print-recipe", action="store_true",
+                   help="print the llm-compressor recipe the --recipe stands for and exit (nothing is quantized)")
     p.add_argument("--calibration", choices=["code", "summarization", "mixed"],
                    help="calibration text for GPTQ recipes (overrides the recipe)")
     p.add_argument("--num-samples", type=int, help="number of calibration samples (overrides the recipe)")
@@ -22,6 +28,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.print_recipe:
+        from qtoolkit.llmc_recipe import dump_llmc
+        from qtoolkit.recipe import load_recipe
+
+        sys.stdout.write(dump_llmc(load_recipe(args.recipe)))
+        return 0
+    if not args.output:
+        raise QToolError("--output is required to quantize: pass --output DIR (or --print-recipe to only print "
+                         "the llm-compressor recipe)")
     from qtoolkit.quantize import quantize
 
     # stdout carries only the JSON summary; llm-compressor (re)configures its logger onto sys.stdout mid-run
