@@ -123,6 +123,11 @@ def test_bad_llm_compressor_recipes_name_the_line(text, line, words):
 
 def test_llm_compressor_canary_quantizes_through_the_cli(tiny_model_dir, tmp_path, capsys):
     """The INT3 per-channel canary, written as llm-compressor writes recipes, quantizes like the qtoolkit one."""
+    import llmcompressor  # noqa: F401  (an application that uses llm-compressor has imported it already)
+    from loguru import logger
+
+    seen: list[str] = []
+    sink = logger.add(seen.append, level="INFO", format="{message}")  # the application's own sink
     out = tmp_path / "canary"
     assert main(["quantize", "--model", str(tiny_model_dir), "--recipe", str(CANARY), "--output", str(out),
                  "--no-verify"]) == 0
@@ -133,3 +138,6 @@ def test_llm_compressor_canary_quantizes_through_the_cli(tiny_model_dir, tmp_pat
     assert (group["weights"]["num_bits"], group["weights"]["strategy"]) == (3, "channel")
     assert "lm_head" in cfg["ignore"]
     assert Path(out / "qtoolkit_recipe.yaml").read_text() == CANARY.read_text()
+    logger.info("still-here")  # quantize left the application's loguru sinks in place
+    logger.remove(sink)
+    assert seen and seen[-1].strip() == "still-here"

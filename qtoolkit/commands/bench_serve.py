@@ -8,6 +8,13 @@ HELP = ("load-test our server (or any OpenAI-compatible --endpoint): output tok/
         "concurrency tier, static vs continuous batching and HF generate in one run")
 
 
+EXAMPLES = """\
+examples:
+  qtool bench serve --model out/int4 --concurrency 1,4,16 --batching static,continuous --output bench.json
+  qtool bench serve --model out/int4 --speculative ngram --concurrency 1 --output spec.json
+"""
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -31,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 32], help="tiers, e.g. 1,4,16,32")
     p.add_argument("--batching", type=_modes, default=["continuous"],
                    help="static, continuous, or static,continuous to measure both (and their ratio) in one run")
-    p.add_argument("--workload", choices=["code", "summarization", "mixed"], default="mixed")
+    p.add_argument("--workload", choices=["code", "summarization", "mixed"], default="mixed",
+                   help="prompt set: HumanEval prompts, ACLSum documents, or both")
     p.add_argument("--rate", type=float, default=None, help="Poisson arrival rate in requests/s (default: all at once)")
     p.add_argument("--num-requests", type=int, default=None,
                    help="requests per tier (default: 2 x concurrency, between 4 and 64)")
@@ -39,11 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds prompts, output lengths and arrivals")
     p.add_argument("--mean-output-tokens", type=int, default=64, help="mean of the lognormal output lengths")
     p.add_argument("--max-output-tokens", type=int, default=128, help="output lengths are clipped to this")
-    p.add_argument("--api", choices=["completions", "chat"], default="completions")
+    p.add_argument("--api", choices=["completions", "chat"], default="completions",
+                   help="OpenAI route the requests use: /v1/completions or /v1/chat/completions")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (for endpoints that reject the ignore_eos extension)")
-    p.add_argument("--kv-cache-memory", default="1GiB")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache of the servers this command starts")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences a started server runs at once")
     p.add_argument("--dtype", default="auto", help="engine and HF precision: auto, float32, bfloat16")
     p.add_argument("--speculative", type=_proposers, default=[], metavar="PROPOSERS",
                    help="also measure the server with speculative decoding, one system per proposer: e.g. "

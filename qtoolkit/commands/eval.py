@@ -7,6 +7,14 @@ import argparse
 HELP = "evaluate a candidate against a baseline on code, summarization and perplexity (paired deltas with CIs)"
 
 
+EXAMPLES = """\
+examples:
+  qtool eval --model out/int4 --baseline default --task code,summarization,perplexity --limit 8 -o eval.json
+  qtool eval --model m --baseline default --endpoint http://host:8000 --task code   # candidate served elsewhere
+  qtool eval --model out/int4 --harness lm-eval --tasks hellaswag --limit 20 -o lm.json
+"""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="candidate model source (default, HF folder, .gguf, quantized checkpoint)")
     p.add_argument("--baseline", help="baseline model source (usually the unquantized model)")

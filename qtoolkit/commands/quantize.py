@@ -12,6 +12,15 @@ from qtoolkit.errors import QToolError
 HELP = "quantize a model with a recipe (recipes/*.yaml) into a compressed-tensors checkpoint"
 
 
+EXAMPLES = """\
+examples:
+  qtool quantize --model default --recipe int4-rtn --output out/int4
+  qtool quantize --model ./my-hf-model --recipe int4-gptq --num-samples 128 --output out/gptq
+  qtool quantize --model default --recipe ./recipe.yaml --output out/q   # an llm-compressor recipe file too
+  qtool quantize --recipe int4-rtn-asym-head8 --print-recipe > recipe.yaml   # for oneshot(recipe=...)
+"""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="`default`, a Hugging Face folder or a .gguf file")
     p.add_argument("--recipe", required=True,
@@ -32,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
         from qtoolkit.llmc_recipe import dump_llmc
         from qtoolkit.recipe import load_recipe
 
-        sys.stdout.write(dump_llmc(load_recipe(args.recipe)))
+        with contextlib.redirect_stdout(sys.stderr):  # llm-compressor's import-time log lines stay off stdout
+            recipe = load_recipe(args.recipe)
+        sys.stdout.write(dump_llmc(recipe))
         return 0
     if not args.output:
         raise QToolError("--output is required to quantize: pass --output DIR (or --print-recipe to only print "

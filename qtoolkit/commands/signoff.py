@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 
 HELP = "one command from model + recipe to a release verdict (PASS/FAIL) with a layer-by-layer ablation report"
+
+
+EXAMPLES = """\
+examples:
+  qtool signoff --model default --recipe fp8-dynamic --output runs/signoff-fp8
+  qtool signoff --model default --recipe int3-rtn-canary --output runs/canary   # must FAIL (exit 1)
+  qtool signoff --model ./my-model --recipe ./llmcompressor-recipe.yaml --policy ./policy.yaml --output runs/x
+"""
 
 
 def _ints(text: str) -> list[int]:
@@ -37,10 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from qtoolkit.signoff import SignoffConfig, signoff
 
-    report = signoff(SignoffConfig(model=args.model, recipe=args.recipe, output=args.output, policy=args.policy,
-                                   limit=args.limit, endpoint=args.endpoint, concurrency=args.concurrency,
-                                   num_requests=args.num_requests, rounds=args.rounds,
-                                   speculative=None if args.speculative.lower() == "none" else args.speculative))
+    # stdout carries the verdict; llm-compressor's loguru sink binds to whatever sys.stdout is at its import
+    with contextlib.redirect_stdout(sys.stderr):
+        report = signoff(SignoffConfig(model=args.model, recipe=args.recipe, output=args.output, policy=args.policy,
+                                       limit=args.limit, endpoint=args.endpoint, concurrency=args.concurrency,
+                                       num_requests=args.num_requests, rounds=args.rounds,
+                                       speculative=None if args.speculative.lower() == "none" else args.speculative))
     print(f"verdict: {report['verdict']}")
     for reason in report["reasons"]:
         print(f"  - {reason}")
