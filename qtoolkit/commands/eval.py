@@ -16,7 +16,8 @@ EXAMPLES = """\
 examples:
   qtool eval --model out/int4 --baseline default --task code,summarization,perplexity --limit 8 -o eval.json
   qtool eval --model m --baseline default --base-url http://host:8000 --task code   # candidate served elsewhere
-  qtool eval --model out/int4 --harness lm-eval --tasks hellaswag --limit 20 -o lm.json
+  qtool eval --model out/int4 --baseline default --harness lm-eval --tasks qtoolkit_aclsum_aspect \\
+      --num_fewshot 2 --log_samples --limit 20 -o lm.json   # paired per-document deltas with CIs
 """
 
 
@@ -36,6 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, help="generation budget per item (task default if unset)")
     p.add_argument("--harness", choices=["qtoolkit", "lm-eval"], default="qtoolkit",
                    help="lm-eval: run lm-eval tasks (shipped YAMLs included) against the `qtoolkit` model")
+    p.add_argument("--num_fewshot", "--num-fewshot", dest="num_fewshot", type=int, default=None,
+                   help="lm-eval: few-shot examples per document (lm-eval's --num_fewshot; default: the task's)")
+    p.add_argument("--log_samples", "--log-samples", dest="log_samples", action="store_true",
+                   help="lm-eval: keep every document's prompt, response and metrics in --output "
+                        "(lm-eval's --log_samples)")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling and the bootstrap")
     p.add_argument("--output", "-o", default="eval.json", help="results JSON (written incrementally; a rerun resumes)")
     p.add_argument("--overwrite", action="store_true", help="discard existing results in --output instead of resuming")
@@ -58,10 +64,18 @@ def run(args: argparse.Namespace) -> int:
     if args.harness == "lm-eval":
         from qtoolkit.evals.lm_eval_run import run_lm_eval
 
-        run_lm_eval(args.model, args.task, args.output, limit=args.limit, backend=args.backend, seed=args.seed)
+        if args.base_url or args.endpoint or args.baseline_base_url or args.baseline_endpoint:
+            raise QToolError("--harness lm-eval runs the models in-process: drop --base-url/--endpoint (or use "
+                             "qtool-lm-eval with lm-eval's local-completions model)")
+        run_lm_eval(args.model, args.task, args.output, limit=args.limit, backend=args.backend, seed=args.seed,
+                    num_fewshot=args.num_fewshot, baseline=args.baseline, log_samples=args.log_samples)
         status(f"results -> {args.output}")
         return 0
     from qtoolkit.evals.runner import EvalConfig, evaluate, summary_lines
+
+    if args.num_fewshot is not None or args.log_samples:
+        raise QToolError("--num_fewshot and --log_samples are lm-eval options: add --harness lm-eval (qtoolkit's "
+                         "tasks are zero-shot and always keep per-item records)")
 
     endpoint, _ = resolve_server(args.base_url, args.endpoint, ROUTES)
     baseline_endpoint, _ = resolve_server(args.baseline_base_url, args.baseline_endpoint, ROUTES,
