@@ -18,7 +18,7 @@ import textwrap
 from . import __version__
 from .errors import QToolError
 
-COMMANDS = ["quantize", "generate", "serve", "eval", "diagnose", "signoff"]
+COMMANDS = ["quantize", "generate", "serve", "eval", "diagnose", "signoff", "plot"]
 BENCH_KINDS = ["kernels", "serve", "decode"]
 
 
