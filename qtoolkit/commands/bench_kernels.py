@@ -22,9 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qtoolkit.io import write_json
     from qtoolkit.kernels.bench import format_table, run_benchmark
     from qtoolkit.kernels.cpu_build import cpu_kernels
+
+    from qtoolkit.io import write_json
     from qtoolkit.progress import bar, status
     from qtoolkit.provenance import provenance
 
