@@ -79,3 +79,13 @@ def test_bad_server_flags_are_one_line_errors(base, endpoint, words):
     with pytest.raises(QToolError, match=words) as e:
         resolve_server(base, endpoint, ("/v1/completions", "/v1/chat/completions"))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--endpoint", "/v1/completions"], "name the server with --base-url"),
+    (["--base-url", "http://127.0.0.1:9", "--endpoint", "/v1/chat/completions"], "not a route this command uses"),
+])
+def test_eval_reads_the_same_server_flags(flags, words, capsys):
+    assert main(["eval", "--model", "default", "--baseline", "default", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err
