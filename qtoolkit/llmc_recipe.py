@@ -30,6 +30,15 @@ ARGS_FIELDS = ("num_bits", "type", "strategy", "group_size", "symmetric", "dynam
 MODIFIER_KEYS = {"config_groups", "scheme", "targets", "ignore", "dampening_frac", "block_size", "group",
                  "index", "start", "end", "update"}
 GROUP_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
+# what llm-compressor derives itself and writes into the recipe.yaml it saves beside a checkpoint
+DERIVED_KEYS = {"requires_calibration_data", "zp_dtype"}
+# llm-compressor 0.14's own defaults, which its recipe.yaml spells out: asking for them asks for nothing
+LLMC_DEFAULTS = {"actorder": "static", "batched_quantization": "auto", "offload_hessians": False}
+
+
+def _unset(v: Any, key: str | None = None) -> bool:
+    """A value that asks for nothing (llm-compressor writes every field, unset ones as null / {} / false)."""
+    return v is None or v is False or v == {} or v == [] or (key in LLMC_DEFAULTS and LLMC_DEFAULTS[key] == v)
 
 
 def is_llmc_recipe(data: Any) -> bool:
@@ -88,7 +97,7 @@ def _args(raw: Any, yaml_path: tuple, internal: tuple, lines: dict, source: str,
     """A QuantizationArgs mapping restricted to what qtoolkit's schema carries (nothing is dropped silently)."""
     if raw is None:
         return None
-    unknown = [k for k in raw if k not in ARGS_FIELDS]
+    unknown = [k for k, v in raw.items() if k not in ARGS_FIELDS and k not in DERIVED_KEYS and not _unset(v)]
     if unknown:
         raise _fail(lines, source, (*yaml_path, unknown[0]),
                     f"{'.'.join(map(str, yaml_path))}.{unknown[0]} is not mapped by qtoolkit: remove it "
@@ -96,7 +105,10 @@ def _args(raw: Any, yaml_path: tuple, internal: tuple, lines: dict, source: str,
     remap[internal] = yaml_path
     for k in raw:
         remap[(*internal, k)] = (*yaml_path, k)
-    return {k: v for k, v in raw.items() if v is not None}
+    out = {k: v for k, v in raw.items() if v is not None and k in ARGS_FIELDS}
+    if isinstance(out.get("scale_dtype"), str):
+        out["scale_dtype"] = out["scale_dtype"].removeprefix("torch.")  # llm-compressor writes `torch.bfloat16`
+    return out
 
 
 def to_internal(data: dict, lines: dict[tuple, int], source: str) -> tuple[dict[str, Any], dict[tuple, int]]:
@@ -114,7 +126,7 @@ def to_internal(data: dict, lines: dict[tuple, int], source: str) -> tuple[dict[
         raise _fail(lines, source, base, f"modifier {mtype} is not supported by qtoolkit: use "
                     f"{' or '.join(MODIFIERS)}")
     _validate_with_llmcompressor(data, lines, source)
-    extra = [k for k in args if k not in MODIFIER_KEYS]
+    extra = [k for k, v in args.items() if k not in MODIFIER_KEYS and k not in DERIVED_KEYS and not _unset(v, k)]
     if extra:
         raise _fail(lines, source, (*base, extra[0]), f"{mtype}.{extra[0]} is not mapped by qtoolkit: remove it "
                     f"(qtoolkit reads {', '.join(sorted(MODIFIER_KEYS - {'group', 'index', 'start', 'end', 'update'}))})")
@@ -167,7 +179,7 @@ def _map_groups(groups: dict, path: tuple, q: dict, lines: dict, source: str, re
                     f"targets exactly [lm_head]; this recipe has {len(groups)}: merge them")
     (bname, bgroup), = body.items()
     for name, group in groups.items():
-        extra = [k for k in group if k not in GROUP_KEYS]
+        extra = [k for k, v in group.items() if k not in GROUP_KEYS and not _unset(v)]
         if extra:
             raise _fail(lines, source, (*path, name, extra[0]), f"config group key {extra[0]!r} is not mapped by "
                         f"qtoolkit: remove it")

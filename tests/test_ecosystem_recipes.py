@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from compressed_tensors.quantization import QuantizationArgs
 
 from qtoolkit.cli import main
 from qtoolkit.errors import RecipeError
-from qtoolkit.llmc_recipe import dump_llmc
+from qtoolkit.llmc_recipe import ARGS_FIELDS, dump_llmc
 from qtoolkit.recipe import RECIPE_DIR, Recipe, list_recipes, load_recipe, parse_recipe
 
 CANARY = RECIPE_DIR / "examples" / "int3-canary-llmcompressor.yaml"
@@ -45,8 +46,11 @@ sparsity_stage:
 
 def _meaning(r: Recipe) -> dict:
     """What a recipe makes `oneshot` do and qtoolkit record: presets resolved, unset arguments dropped."""
-    def clean(d):
-        return None if d is None else {k: v for k, v in d.items() if v is not None}
+    def clean(d):  # as compressed-tensors' QuantizationArgs fills them in when oneshot builds the modifier
+        if d is None:
+            return None
+        args = QuantizationArgs.model_validate({k: v for k, v in d.items() if v is not None})
+        return args.model_dump(include=set(ARGS_FIELDS), exclude_none=True)
 
     q = r.quantization
     resolved = {k: clean(v) for k, v in r.resolved_scheme().items()}
@@ -69,6 +73,19 @@ def test_shipped_recipe_round_trips_through_llm_compressor(name, tmp_path):
     assert [type(m).__name__ for m in mods] == [r.quantization.modifier]
     back = load_recipe(path)
     assert _meaning(back) == _meaning(r)
+    # llm-compressor's own serialization (what it saves as recipe.yaml beside a checkpoint) reads back too;
+    # it keeps only the modifier, so qtoolkit's name/precision/calibration/gates are not compared
+    theirs = parse_recipe(LlmcRecipe.create_instance(str(path)).yaml(), source=f"{name}-recipe.yaml")
+    modifier_only = ("resolved", "head", "targets", "ignore", "modifier", "dampening_frac", "block_size")
+
+    def without_observer(m: dict) -> dict:  # llm-compressor writes out the observer it chose by default
+        drop = ("observer",)
+        m = {**m, "resolved": {k: v and {a: x for a, x in v.items() if a not in drop} for k, v in m["resolved"].items()},
+             "head": m["head"] and {a: x for a, x in m["head"].items() if a not in drop}}
+        m["block_size"] = m["block_size"] or (128 if m["modifier"] == "GPTQModifier" else None)  # its default
+        return {k: m[k] for k in modifier_only}
+
+    assert without_observer(_meaning(theirs)) == without_observer(_meaning(r))
 
 
 def test_bnb_recipe_cannot_be_printed_as_llm_compressor(capsys):
@@ -138,6 +155,8 @@ def test_llm_compressor_canary_quantizes_through_the_cli(tiny_model_dir, tmp_pat
     assert (group["weights"]["num_bits"], group["weights"]["strategy"]) == (3, "channel")
     assert "lm_head" in cfg["ignore"]
     assert Path(out / "qtoolkit_recipe.yaml").read_text() == CANARY.read_text()
+    saved = load_recipe(out / "recipe.yaml")  # the recipe.yaml llm-compressor wrote beside the checkpoint
+    assert saved.weight_args() == {**load_recipe(CANARY).weight_args(), "observer": "memoryless_minmax"}
     logger.info("still-here")  # quantize left the application's loguru sinks in place
     logger.remove(sink)
     assert seen and seen[-1].strip() == "still-here"
