@@ -29,28 +29,50 @@ def shipped_tasks() -> list[str]:
 
 
 def run_lm_eval(model: str | None, tasks: str, output: str | os.PathLike, *, limit: int | None = None,
-                backend: str = "engine", seed: int = 0, num_fewshot: int | None = None) -> dict[str, Any]:
-    """simple_evaluate over `tasks` (comma-separated); writes results JSON with provenance."""
+                backend: str = "engine", seed: int = 0, num_fewshot: int | None = None,
+                baseline: str | None = None, log_samples: bool = False) -> dict[str, Any]:
+    """simple_evaluate over `tasks` (comma-separated); writes results JSON with provenance.
+
+    With `baseline`, the baseline model runs the same documents and `paired` holds per-metric paired deltas
+    with bootstrap CIs (evals/lm_eval_paired.py); `log_samples` keeps lm-eval's per-document samples."""
     go_offline()
-    import lm_eval
     from lm_eval.tasks import TaskManager
 
     from . import lm_eval_model  # noqa: F401  (registers the `qtoolkit` model)
 
     if limit is not None and limit <= 0:
         raise QToolError(f"--limit must be a positive number of items, got {limit}")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise QToolError(f"--num_fewshot must be 0 or more, got {num_fewshot}")
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     manager = TaskManager(include_path=str(TASKS_DIR))
     unknown = [n for n in names if n not in manager.all_tasks]
     if not names or unknown:
         raise QToolError(f"unknown lm-eval task(s) {', '.join(unknown) or tasks!r}: shipped offline tasks are "
                          f"{', '.join(shipped_tasks())}")
-    results = lm_eval.simple_evaluate(
-        model="qtoolkit", model_args={"pretrained": model or "default", "backend": backend}, tasks=names,
-        task_manager=manager, limit=limit, num_fewshot=num_fewshot, random_seed=seed, numpy_random_seed=seed,
-        torch_random_seed=seed, fewshot_random_seed=seed, log_samples=False)
-    out = {**provenance(model=model or "default", backend=backend, tasks=names, limit=limit, seed=seed),
+
+    def evaluate(spec: str | None) -> dict[str, Any]:
+        import lm_eval
+
+        return lm_eval.simple_evaluate(
+            model="qtoolkit", model_args={"pretrained": spec or "default", "backend": backend}, tasks=names,
+            task_manager=manager, limit=limit, num_fewshot=num_fewshot, random_seed=seed, numpy_random_seed=seed,
+            torch_random_seed=seed, fewshot_random_seed=seed, log_samples=log_samples or baseline is not None)
+
+    results = evaluate(model)
+    out = {**provenance(model=model or "default", backend=backend, tasks=names, limit=limit, seed=seed,
+                        num_fewshot=num_fewshot, baseline=baseline),
            "harness": "lm-eval", "results": results["results"], "configs": results.get("configs", {}),
            "n_samples": results.get("n-samples", {})}
+    if log_samples:
+        out["samples"] = results.get("samples", {})
+    if baseline is not None:
+        from .lm_eval_paired import paired_results
+
+        base = evaluate(baseline)
+        out["baseline"] = {"model": baseline, "results": base["results"]}
+        if log_samples:
+            out["baseline"]["samples"] = base.get("samples", {})
+        out["paired"] = paired_results(results.get("samples", {}), base.get("samples", {}), seed=seed)
     write_json(output, out)
     return out

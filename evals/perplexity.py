@@ -12,6 +12,7 @@ from typing import Any
 
 from .backend import Backend
 from .data import ASPECTS, aclsum_items, humaneval_problems
+from .kld_stats import llama_cpp_stats
 from .stats import paired_delta, token_stats
 from .task import compare_scored, scored_records
 
@@ -59,6 +60,7 @@ class PerplexityTask:
             if not recs:
                 continue
             stats = token_stats(recs, seed=seed + 100 * i)
+            stats["llama_cpp"] = llama_cpp_stats(recs)  # the same tokens in llama-perplexity's names and set
             stats["mean_nll"] = paired_delta(
                 [sum(r["nll_candidate"]) / r["tokens"] for r in recs], [sum(r["nll_baseline"]) / r["tokens"] for r in recs],
                 [r["tokens"] for r in recs], seed=seed + 100 * i + 50)

@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from compressed_tensors.quantization import QuantizationScheme
+from pydantic import ValidationError
+
 from qtoolkit.errors import QToolError
 
 
@@ -59,19 +62,29 @@ def _get(d: Any, key: str, default=None):
     return getattr(d, key, default)
 
 
-def parse_scheme(scheme: dict | Scheme) -> Scheme:
-    """Validate a config group dict (or pass a parsed Scheme through)."""
+def parse_scheme(scheme: dict | Scheme, default_format: str | None = None) -> Scheme:
+    """Validate a config group dict (or pass a parsed Scheme through) with compressed-tensors' own models.
+
+    `default_format` is the checkpoint's global `quantization_config.format`: as in vLLM, a config group without
+    its own `format` (what older llm-compressor versions write) falls back to it."""
     if isinstance(scheme, Scheme):
         return scheme
-    fmt = _get(scheme, "format")
+    fmt = _get(scheme, "format") or default_format
     weights = _get(scheme, "weights")
     if fmt not in FORMATS or weights is None:
         raise QuantSchemeError(f"quantization format {fmt!r} is not supported: use one of {', '.join(FORMATS)} "
                                "(re-quantize with a W4A16, W8A16, W8A8 or FP8 recipe)")
-    wtype = str(_get(weights, "type", "int"))
-    bits = int(_get(weights, "num_bits", 8))
-    strategy = str(_get(weights, "strategy", "tensor"))
-    group = _get(weights, "group_size")
+    try:  # compressed-tensors fills its defaults (strategy from group_size, symmetric...) as vLLM reads them
+        cts = QuantizationScheme.model_validate({"targets": list(_get(scheme, "targets") or ["Linear"]),
+                                                 "weights": weights,
+                                                 "input_activations": _get(scheme, "input_activations")})
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise QuantSchemeError(f"config group is not a valid compressed-tensors scheme ({where}: "
+                               f"{err['msg'].splitlines()[0]}): fix the checkpoint's config.json") from None
+    w = cts.weights
+    wtype, bits, strategy, group = _value(w.type), int(w.num_bits), _value(w.strategy), w.group_size
     if strategy not in ("tensor", "channel", "group"):
         raise QuantSchemeError(f"weight strategy {strategy!r} is not supported: use tensor, channel or group")
     if strategy == "group" and not group:
@@ -82,19 +95,22 @@ def parse_scheme(scheme: dict | Scheme) -> Scheme:
         raise QuantSchemeError(f"int weights with {bits} bits are not supported: use 4 or 8 bits")
     if fmt == "pack-quantized" and wtype != "int":
         raise QuantSchemeError("pack-quantized needs int weights: fix the checkpoint's config.json")
-    acts = _get(scheme, "input_activations")
+    acts = cts.input_activations
     act_type = act_strategy = None
     act_dynamic = True
     if acts is not None:
-        act_type = str(_get(acts, "type", "int"))
-        act_strategy = str(_get(acts, "strategy", "token"))
-        act_dynamic = bool(_get(acts, "dynamic", True))
+        act_type, act_strategy, act_dynamic = _value(acts.type), _value(acts.strategy), bool(acts.dynamic)
         if act_strategy not in ("token", "tensor"):
             raise QuantSchemeError(f"activation strategy {act_strategy!r} is not supported: use token or tensor")
     return Scheme(format=fmt, weight_type=wtype, bits=bits, strategy=strategy,
                   group_size=int(group) if strategy == "group" else None,
-                  symmetric=bool(_get(weights, "symmetric", True)), act_type=act_type,
+                  symmetric=bool(w.symmetric), act_type=act_type,
                   act_strategy=act_strategy, act_dynamic=act_dynamic)
+
+
+def _value(x: Any) -> str:
+    """compressed-tensors' enums (QuantizationType, QuantizationStrategy) as their plain string values."""
+    return str(getattr(x, "value", x))
 
 
 def config_group(format: str, *, num_bits: int, type: str = "int", strategy: str = "group",

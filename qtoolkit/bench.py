@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from .bench_vllm import vllm_metrics, vllm_run_fields
 from .workloads import BenchRequest, arrival_offsets
 
 _REQUEST_TIMEOUT_S = 600.0
@@ -175,6 +176,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "latency_s": _percentiles([r.latency for r in ok]),
         "errors": errors[:5],
         **_speculative_summary(ok),
+        **vllm_metrics(results, duration),  # the same run in vLLM's names and units (ms)
     }
 
 
@@ -266,7 +268,8 @@ def _update_tier(report: dict[str, Any], c: int, n: int, results: dict[str, Any]
     for name in results:  # "<mode>+<proposer>": speculation over the same server without it
         if "+" in name:
             ratios[f"{name}_over_{name.split('+')[0]}"] = _ratio(results[name], results.get(name.split("+")[0]))
-    tier = {"concurrency": c, "num_requests": n, "results": dict(results),
+    tier = {"concurrency": c, "num_requests": n, **vllm_run_fields(c, n, report["config"].get("rate_qps")),
+            "results": dict(results),
             "ratios": {k: v for k, v in ratios.items() if v is not None}}
     tiers = report["tiers"]
     if tiers and tiers[-1]["concurrency"] == c and tiers[-1]["num_requests"] == n:

@@ -3,22 +3,26 @@
 Exit codes: 0 ok / PASS, 1 FAIL (a gate failed), 2 error (bad input, or any unexpected exception: a crash is
 never a verdict), 3 INCONCLUSIVE (sign-off without enough evidence to decide).
 
-Each command lives in `qtoolkit/commands/<name>.py` and exposes HELP, add_arguments(parser) and run(args).
-`bench` and its kinds (`bench kernels`, `bench serve`, `bench decode`) come from `commands/bench_<kind>.py`.
-Heavy imports (torch, transformers) happen inside run(), so `qtool --help` stays quick.
+Each command lives in `qtoolkit/commands/<name>.py` and exposes HELP, add_arguments(parser), run(args) and
+optionally EXAMPLES (its --help epilog). `bench` and its kinds (`bench kernels`, `bench serve`, `bench decode`)
+come from `commands/bench_<kind>.py`. Heavy imports (torch, transformers) happen inside run(), so `qtool --help`
+stays quick.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
+import textwrap
 import traceback
 
+from . import __version__
 from .errors import QToolError
 
-COMMANDS = ["quantize", "generate", "serve", "eval", "diagnose", "signoff"]
+COMMANDS = ["quantize", "generate", "serve", "eval", "diagnose", "signoff", "plot"]
 BENCH_KINDS = ["kernels", "serve", "decode"]
 
 
@@ -31,32 +35,108 @@ def _load(name: str):
         raise
 
 
+DESCRIPTION = """\
+Quantize a released LLM, evaluate it against the unquantized model, serve and benchmark it, and sign it off
+with one PASS/FAIL verdict. Everything runs offline; nothing is downloaded from a model hub."""
+
+ENVIRONMENT = """\
+environment variables:
+  QTOOLKIT_QUIET=1       no progress bars or status lines (what -q sets)
+  QTOOLKIT_CACHE=DIR     converted GGUF models and other caches (default: ~/.cache/qtoolkit)
+  QTOOLKIT_NO_CPU_EXT=1  do not build or use the AVX2 C++ kernels; torch ops instead (correct, slower)
+  QTOOLKIT_EXT_DIR=DIR   where the C++ kernels are built and cached (default: ~/.cache/qtoolkit/torch_extensions)
+  LLM_COMPRESSOR_LOG_LEVEL  llm-compressor's own log level (qtool sets WARNING; INFO with -v, ERROR with -q)
+
+exit codes: 0 ok / PASS, 1 a gate failed (FAIL), 2 bad input or an error"""
+
+EXAMPLES = """\
+examples:
+  qtool signoff --model default --recipe fp8-dynamic --output runs/signoff-fp8
+  qtool quantize --model default --recipe int4-rtn --output out/int4
+  qtool quantize --recipe int4-gptq --print-recipe > int4-gptq.llmcompressor.yaml
+  qtool eval --model out/int4 --baseline default --task perplexity --limit 8 --output eval.json
+  qtool bench serve --model out/int4 --max-concurrency 1,8 --output bench.json
+  qtool COMMAND --help"""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each flag's default after its help (not for flags whose default is "unset"), text kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def _output_flags() -> argparse.ArgumentParser:
+    """-q / -v, accepted before or after the command (`qtool -q eval ...`, `qtool eval ... -q`)."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("output")
+    g.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                   help="only results and errors: no progress bars or status lines (sets QTOOLKIT_QUIET=1)")
+    g.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                   help="more log output: -v shows qtoolkit's and llm-compressor's INFO lines, -vv DEBUG")
+    return p
+
+
+def _subparser(sub, name: str, mod, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    epilog = "\n\n".join(x for x in (getattr(mod, "EXAMPLES", "").strip("\n"), ENVIRONMENT) if x)
+    description = getattr(mod, "DESCRIPTION", None) or textwrap.fill(f"{mod.HELP[0].upper()}{mod.HELP[1:]}.", 110)
+    p = sub.add_parser(name, help=mod.HELP, description=description, epilog=epilog,
+                       formatter_class=HelpFormatter, parents=[common])
+    mod.add_arguments(p)
+    p.set_defaults(func=mod.run)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qtool", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    common = _output_flags()
+    parser = argparse.ArgumentParser(prog="qtool", description=DESCRIPTION, epilog=f"{EXAMPLES}\n\n{ENVIRONMENT}",
+                                     formatter_class=HelpFormatter, parents=[common])
+    parser.add_argument("--version", action="version", version=f"qtool (qtoolkit) {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         mod = _load(name)
-        if mod is None:
-            continue
-        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
-        mod.add_arguments(p)
-        p.set_defaults(func=mod.run)
-    bench = sub.add_parser("bench", help="benchmarks that print measured figures and write JSON")
-    bench_sub = bench.add_subparsers(dest="bench_kind", required=True)
+        if mod is not None:
+            _subparser(sub, name, mod, common)
+    bench = sub.add_parser("bench", help="benchmarks that print measured figures and write JSON",
+                           description="Benchmarks that print measured figures and write JSON: `kernels` (matmul "
+                                       "paths), `serve` (a server under load, vLLM's field names), `decode` "
+                                       "(batch-1 decode against llama.cpp and HF).",
+                           epilog="examples:\n  qtool bench serve --model default --max-concurrency 1,4 "
+                                  "--output bench.json\n  qtool bench kernels --quick\n  qtool bench KIND --help"
+                                  f"\n\n{ENVIRONMENT}",
+                           formatter_class=HelpFormatter, parents=[common])
+    bench_sub = bench.add_subparsers(dest="bench_kind", required=True, metavar="KIND")
     for kind in BENCH_KINDS:
         mod = _load(f"bench_{kind}")
-        if mod is None:
-            continue
-        p = bench_sub.add_parser(kind, help=mod.HELP, description=mod.HELP)
-        mod.add_arguments(p)
-        p.set_defaults(func=mod.run)
+        if mod is not None:
+            _subparser(bench_sub, kind, mod, common)
     return parser
+
+
+def configure_output(quiet: bool, verbose: int) -> None:
+    """The CLI is the application, so it sets where log lines go: qtoolkit's own `qtoolkit` logger on stderr, and
+    llm-compressor's level through its documented LLM_COMPRESSOR_LOG_LEVEL (read when it is imported). No other
+    library's handlers or sinks are touched."""
+    if quiet:
+        os.environ["QTOOLKIT_QUIET"] = "1"
+    level = logging.ERROR if quiet else {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
+    os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", logging.getLevelName(level))
+    log = logging.getLogger("qtoolkit")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("qtool: %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     args = build_parser().parse_args(argv)
+    configure_output(getattr(args, "quiet", False), getattr(args, "verbose", 0))
     try:
         return int(args.func(args) or 0)
     except QToolError as e:

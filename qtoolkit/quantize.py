@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,12 +212,9 @@ def quantize(model: str | os.PathLike = "default", recipe: str | os.PathLike = "
 
     t = time.perf_counter()
     if r.method != "bnb":
+        # llm-compressor's loguru sinks are left as the application set them: `qtool` picks their level through
+        # llm-compressor's own LLM_COMPRESSOR_LOG_LEVEL and keeps them off its stdout (see qtoolkit/cli.py)
         from llmcompressor import oneshot
-        from loguru import logger
-
-        # llm-compressor logs INFO lines to stdout; keep stdout for our JSON summary and show warnings only.
-        logger.remove()
-        logger.add(sys.stderr, level="WARNING")
 
         kwargs: dict[str, Any] = {}
         if r.calibration is not None:

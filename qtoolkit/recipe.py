@@ -16,6 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import RecipeError
+from .llmc_recipe import is_llmc_recipe
+from .llmc_recipe import to_internal as llmc_to_internal
 from .provenance import text_sha256
 from .yaml_safe import read_yaml_text, safe_compose
 
@@ -66,12 +68,12 @@ class HeadSection(_Strict):
     Q6_K/Q8_0: in a small model it is the largest matrix (a tied 49152x576 head is 35% of SmolLM2-135M) and the
     one every token's logits come from. A tied embedding is untied: the lookup table stays in full precision."""
 
-    scheme: str
+    scheme: str | None = None  # a preset, or None when `weights` spells the arguments out (llm-compressor files)
     weights: ArgsOverride | None = None
 
     @field_validator("scheme")
     @classmethod
-    def _known_scheme(cls, v: str) -> str:
+    def _known_scheme(cls, v: str | None) -> str | None:
         return _preset(v)
 
 
@@ -205,6 +207,8 @@ def parse_recipe(text: str, source: str = "<memory>") -> Recipe:
     if not isinstance(data, dict):
         raise RecipeError(f"{source}: a recipe must be a YAML mapping with `name` and `quantization` keys")
     lines = _line_map(node) if node is not None else {}
+    if is_llmc_recipe(data):  # llm-compressor's own `*_stage: *_modifiers:` layout, validated by llm-compressor
+        data, lines = llmc_to_internal(data, lines, source)
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:

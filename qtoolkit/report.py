@@ -1,14 +1,20 @@
 """Sign-off report: report.json (every figure), report.md (for a code review), report.html (self-contained, plots
-embedded as PNG data URIs so the file can be mailed or attached to a release ticket)."""
+embedded as PNG data URIs so the file can be mailed or attached to a release ticket).
+
+report.md is the source of the HTML body: markdown-it-py (CommonMark + tables, raw HTML off) renders it, and a
+jinja2 template with autoescaping wraps it, so no text from a gate, an error or a model name is ever markup."""
 
 from __future__ import annotations
 
 import base64
-import html
 import io
 import json
 from pathlib import Path
 from typing import Any
+
+import jinja2
+from markdown_it import MarkdownIt
+from markupsafe import Markup
 
 from .io import write_json
 from .report_deployment import deployment_lines
@@ -23,6 +29,11 @@ def _verdict(g: dict[str, Any]) -> str:
     if g.get("state"):  # e.g. "not measurable" on a deployment sign-off
         return f"{v} ({g['state']})"
     return "no evidence" + ("" if g.get("required", True) else " (not required)") if v == "NO EVIDENCE" else v
+
+
+def _cell(v: Any) -> str:
+    """Text for a Markdown table cell: a `|` would end the cell and a newline the row."""
+    return str(v).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
 
 
 def _fmt(v: Any, digits: int = 4) -> str:
@@ -176,15 +187,15 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["## Why it fails", ""] + [f"- {r}" for r in report["reasons"]] + [""]
     lines += ["## Gates", "", "| gate | result | point | judged (CI bound) | detail | could detect |",
               "|---|---|---|---|---|---|"]
-    lines += [f"| {g['name']} | {_verdict(g)} | {_fmt(g['point'])} | {_fmt(g['judged'])} | {g['detail']} | "
-              f"{g.get('resolution', '')}{' (' + g['ci_method'] + ')' if g.get('ci_method') else ''} |"
+    lines += [f"| {g['name']} | {_verdict(g)} | {_fmt(g['point'])} | {_fmt(g['judged'])} | {_cell(g['detail'])} | "
+              f"{_cell(g.get('resolution', ''))}{' (' + g['ci_method'] + ')' if g.get('ci_method') else ''} |"
               for g in report["gates"]]
     if report.get("reading"):
         lines += ["", "## How to read this verdict", ""] + [f"- {n}" for n in report["reading"]]
     lines += ["", "## Steps", "", "| step | status | seconds | note |", "|---|---|---|---|"]
     for name, s in report["steps"].items():
         note = s.get("error", "reused" if s.get("skipped") else "")
-        lines.append(f"| {name} | {s.get('status')} | {_fmt(s.get('seconds'))} | {note} |")
+        lines.append(f"| {name} | {s.get('status')} | {_fmt(s.get('seconds'))} | {_cell(note)} |")
     lines += deployment_lines(report)  # endpoints, their bench tiers, what they cannot give (deployment sign-off)
     ab = report.get("ablation")
     if ab:
@@ -240,71 +251,39 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_MD = MarkdownIt("commonmark", {"html": False}).enable("table")
+
+_TEMPLATE = jinja2.Environment(autoescape=True).from_string("""<!doctype html>
+<html><head><meta charset="utf-8"><title>Sign-off {{ verdict }}</title>
+<style>
+body { font-family: system-ui, sans-serif; max-width: 980px; margin: 2em auto; color: #1f2328; }
+h1 { color: {{ color }}; } table { border-collapse: collapse; margin: 0.5em 0; }
+td, th { border: 1px solid #d0d7de; padding: 3px 8px; font-size: 13px; } th { background: #f6f8fa; }
+pre { background: #f6f8fa; padding: 8px; font-size: 12px; overflow-x: auto; }
+figure { display: inline-block; margin: 6px; }
+.verdict { display: inline-block; color: white; font-weight: bold; padding: 4px 14px; border-radius: 4px; }
+</style></head><body>
+<div class="verdict" id="verdict" style="background:{{ color }}">{{ verdict }}</div>
+{{ head }}
+<section id="plots">{% for name, data in plots %}<figure><img alt="{{ name }}" id="plot-{{ name }}"
+src="data:image/png;base64,{{ data }}"/></figure>{% endfor %}</section>
+{{ rest }}
+</body></html>
+""")
+
+
 def _md_to_html(md: str) -> str:
-    """The small Markdown subset markdown() emits: headings, tables, lists, bold, code blocks."""
-    out, in_table, in_code = [], False, False
-    for line in md.splitlines():
-        if line.startswith("```"):
-            out.append("</pre>" if in_code else "<pre>")
-            in_code = not in_code
-            continue
-        if in_code:
-            out.append(html.escape(line))
-            continue
-        if line.startswith("|"):
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            if set("".join(cells)) <= set("-"):
-                continue
-            tag = "th" if not in_table else "td"
-            if not in_table:
-                out.append("<table>")
-                in_table = True
-            out.append("<tr>" + "".join(f"<{tag}>{_inline(c)}</{tag}>" for c in cells) + "</tr>")
-            continue
-        if in_table:
-            out.append("</table>")
-            in_table = False
-        if line.startswith("#"):
-            level = len(line) - len(line.lstrip("#"))
-            out.append(f"<h{level}>{_inline(line[level:].strip())}</h{level}>")
-        elif line.startswith("- ") or line[:3].rstrip(".").isdigit():
-            out.append(f"<p class='item'>{_inline(line)}</p>")
-        elif line.strip():
-            out.append(f"<p>{_inline(line)}</p>")
-    if in_table:
-        out.append("</table>")
-    return "\n".join(out)
-
-
-def _inline(text: str) -> str:
-    import re
-
-    text = html.escape(text)
-    text = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", text)
-    return re.sub(r"`(.+?)`", r"<code>\1</code>", text)
+    """report.md as HTML: markdown-it escapes every `<`, `&` and `|` in the text; raw HTML is not passed through."""
+    return _MD.render(md)
 
 
 def html_report(report: dict[str, Any], md: str, plots: dict[str, str | None]) -> str:
-    color = _COLORS.get(report["verdict"], "#cf222e")
-    figs = "".join(f"<figure><img alt='{name}' id='plot-{name}' src='data:image/png;base64,{data}'/></figure>"
-                   for name, data in plots.items() if data)
     body = _md_to_html(md)
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>Sign-off {html.escape(report['verdict'])}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; max-width: 980px; margin: 2em auto; color: #1f2328; }}
-h1 {{ color: {color}; }} table {{ border-collapse: collapse; margin: 0.5em 0; }}
-td, th {{ border: 1px solid #d0d7de; padding: 3px 8px; font-size: 13px; }} th {{ background: #f6f8fa; }}
-pre {{ background: #f6f8fa; padding: 8px; font-size: 12px; overflow-x: auto; }}
-figure {{ display: inline-block; margin: 6px; }}
-.verdict {{ display: inline-block; color: white; font-weight: bold; padding: 4px 14px; border-radius: 4px; }} p.item {{ margin: 2px 0 2px 1em; }}
-</style></head><body>
-<div class="verdict" id="verdict" style="background:{color}">{html.escape(report['verdict'])}</div>
-{body.split('</h1>', 1)[0]}</h1>
-<section id="plots">{figs}</section>
-{body.split('</h1>', 1)[1] if '</h1>' in body else ''}
-</body></html>
-"""
+    head, _, rest = body.partition("</h1>")  # the plots sit under the verdict heading
+    return _TEMPLATE.render(verdict=report["verdict"], color=_COLORS.get(report["verdict"], "#cf222e"),
+                            head=Markup(head + "</h1>" if rest else head),
+                            rest=Markup(rest),
+                            plots=[(name, data) for name, data in plots.items() if data])
 
 
 def write_reports(folder: Path, report: dict[str, Any]) -> None:

@@ -8,6 +8,12 @@ HELP = ("batch-1 greedy decode tok/s of one or more checkpoints in the engine ag
         "model's GGUF) and HF generate, interleaved rounds, ratios in the JSON")
 
 
+EXAMPLES = """\
+examples:
+  qtool bench decode --model default --model out/int4 --compare llama.cpp,hf --output decode.json
+"""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", default=None, metavar="MODEL",
                    help="engine checkpoint (`default`, folder, .gguf); repeat to compare several (default: default)")

@@ -8,6 +8,13 @@ HELP = ("benchmark the quantized matmul paths (INT4/INT8/FP8) against dense fp32
         "from DRAM, with the memory bandwidth measured in the same run")
 
 
+EXAMPLES = """\
+examples:
+  qtool bench kernels --quick
+  qtool bench kernels --threads 2 --output bench_kernels.json
+"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", "-o", default="bench_kernels.json", help="result JSON (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="decode sizes M=1,8 only, fewer rounds (~1 min)")

@@ -4,8 +4,25 @@ from __future__ import annotations
 
 import argparse
 
-HELP = ("load-test our server (or any OpenAI-compatible --endpoint): output tok/s, req/s, TTFT/TPOT/ITL per "
+from ..endpoint_args import ROUTES, add_server_arguments, resolve_server
+
+HELP = ("load-test our server (or any OpenAI-compatible --base-url): output tok/s, req/s, TTFT/TPOT/ITL per "
         "concurrency tier, static vs continuous batching and HF generate in one run")
+DESCRIPTION = """\
+Load-test our server (or any OpenAI-compatible server given by --base-url) tier by tier. The JSON holds, per tier
+and system, vLLM's `vllm bench serve` fields in its units (mean/median/std/p99_ttft_ms, tpot_ms, itl_ms, e2el_ms,
+output_throughput, request_throughput, total_token_throughput, completed, num_prompts, max_concurrency,
+request_rate) beside qtoolkit's own figures in seconds (ttft_s p50/p99/mean, output_tok_per_s, ...). vLLM's flag
+names are accepted; qtoolkit's earlier names stay as aliases."""
+
+
+EXAMPLES = """\
+examples:
+  qtool bench serve --model out/int4 --concurrency 1,4,16 --batching static,continuous --output bench.json
+  qtool bench serve --model out/int4 --speculative ngram --concurrency 1 --output spec.json
+  qtool bench serve --base-url http://127.0.0.1:8000 --endpoint /v1/completions --model my-model \\
+      --max-concurrency 1,8 --num-prompts 16 --request-rate 4 --output vllm-side.json   # vLLM's flag names
+"""
 
 
 def _int_list(text: str) -> list[int]:
@@ -25,26 +42,32 @@ def _modes(text: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
-                   help="model to serve (`default`, folder, .gguf); with --endpoint, the served model's name")
-    p.add_argument("--endpoint", default=None, help="an existing OpenAI-compatible server, e.g. http://host:8000/v1")
+                   help="model to serve (`default`, folder, .gguf); with --base-url, the served model's name")
+    add_server_arguments(p, who="the model (instead of starting our own)", routes=tuple(ROUTES))
     p.add_argument("--api-key", default=None, help="deprecated (a command line shows in `ps`): the bearer key for "
-                   "--endpoint is read from QTOOLKIT_API_KEY or OPENAI_API_KEY")
-    p.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 32], help="tiers, e.g. 1,4,16,32")
+                   "--base-url is read from QTOOLKIT_API_KEY or OPENAI_API_KEY")
+    p.add_argument("--max-concurrency", "--concurrency", dest="concurrency", type=_int_list, default=[1, 4, 16, 32],
+                   help="tiers: the most requests in flight, e.g. 1,4,16,32 (vLLM's --max-concurrency, one run "
+                        "per value)")
     p.add_argument("--batching", type=_modes, default=["continuous"],
                    help="static, continuous, or static,continuous to measure both (and their ratio) in one run")
-    p.add_argument("--workload", choices=["code", "summarization", "mixed"], default="mixed")
-    p.add_argument("--rate", type=float, default=None, help="Poisson arrival rate in requests/s (default: all at once)")
-    p.add_argument("--num-requests", type=int, default=None,
-                   help="requests per tier (default: 2 x concurrency, between 4 and 64)")
+    p.add_argument("--workload", choices=["code", "summarization", "mixed"], default="mixed",
+                   help="prompt set: HumanEval prompts, ACLSum documents, or both")
+    p.add_argument("--request-rate", "--rate", dest="rate", type=float, default=None,
+                   help="Poisson arrival rate in requests/s (vLLM's --request-rate; default: all at once, inf)")
+    p.add_argument("--num-prompts", "--num-requests", dest="num_requests", type=int, default=None,
+                   help="requests per tier (vLLM's --num-prompts; default: 2 x concurrency, between 4 and 64)")
     p.add_argument("--compare", choices=["hf"], default=None, help="hf: also run the workload through HF generate")
     p.add_argument("--seed", type=int, default=0, help="seeds prompts, output lengths and arrivals")
     p.add_argument("--mean-output-tokens", type=int, default=64, help="mean of the lognormal output lengths")
     p.add_argument("--max-output-tokens", type=int, default=128, help="output lengths are clipped to this")
-    p.add_argument("--api", choices=["completions", "chat"], default="completions")
+    p.add_argument("--api", choices=["completions", "chat"], default=None,
+                   help="OpenAI route the requests use: completions (/v1/completions, the default) or chat "
+                        "(/v1/chat/completions); --endpoint PATH says the same in vLLM's words")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (for endpoints that reject the ignore_eos extension)")
-    p.add_argument("--kv-cache-memory", default="1GiB")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache of the servers this command starts")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences a started server runs at once")
     p.add_argument("--dtype", default="auto", help="engine and HF precision: auto, float32, bfloat16")
     p.add_argument("--speculative", type=_proposers, default=[], metavar="PROPOSERS",
                    help="also measure the server with speculative decoding, one system per proposer: e.g. "
@@ -76,14 +99,19 @@ def run(args: argparse.Namespace) -> int:
         raise QToolError("--rate must be a positive number of requests per second")
     for proposer in args.speculative:  # fail before any server starts
         check_speculative_args(proposer, args.num_speculative_tokens)
-    if args.speculative and args.endpoint:
-        raise QToolError("--speculative starts our own servers: drop --endpoint (or start that server with it)")
+    endpoint, route = resolve_server(args.base_url, args.endpoint, tuple(ROUTES))
+    named = bool(args.endpoint) and any(args.endpoint.rstrip("/").endswith(r) for r in ROUTES)
+    if args.api and named and ROUTES[route] != args.api:
+        raise QToolError(f"--api {args.api} and --endpoint {route} disagree: pass one of them")
+    api = args.api or ROUTES[route]
+    if args.speculative and endpoint:
+        raise QToolError("--speculative starts our own servers: drop --base-url (or start that server with it)")
     signal.signal(signal.SIGTERM, _interrupt)
     lock = lock_output(args.output)  # two benches into one file would overwrite each other's tiers
-    report = bench_serve(args.model, endpoint=args.endpoint, concurrency=args.concurrency, batching=args.batching,
+    report = bench_serve(args.model, endpoint=endpoint, concurrency=args.concurrency, batching=args.batching,
                          workload=args.workload, rate=args.rate, num_requests=args.num_requests,
                          compare_hf=args.compare == "hf", seed=args.seed, mean_output_tokens=args.mean_output_tokens,
-                         max_output_tokens=args.max_output_tokens, api=args.api, ignore_eos=args.ignore_eos,
+                         max_output_tokens=args.max_output_tokens, api=api, ignore_eos=args.ignore_eos,
                          api_key=args.api_key or Deployment("endpoint").api_key(), kv_cache_memory=args.kv_cache_memory,
                          max_num_seqs=args.max_num_seqs, dtype=args.dtype, speculative=args.speculative,
                          num_speculative_tokens=args.num_speculative_tokens,

@@ -7,6 +7,13 @@ import argparse
 HELP = "measure prefill and decode separately, classify the bottleneck with a roofline, recommend levers"
 
 
+EXAMPLES = """\
+examples:
+  qtool diagnose --model out/int4 --output diagnose.json
+  qtool diagnose --model default --batches 1,8 --prompt-lengths 128
+"""
+
+
 def _ints(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(","))
@@ -21,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="`default`, a Hugging Face folder or a .gguf file")
     p.add_argument("--batches", type=_ints, default=(1, 4, 16, 32), help="decode batch sizes (e.g. 1,4,16,32)")
     p.add_argument("--prompt-lengths", type=_ints, default=(64, 256, 1024), help="prefill lengths")
-    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--kv-cache-memory", default="1GiB", help="memory for the paged KV cache, e.g. 512MiB")
     p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (dense weights)")
     p.add_argument("--output", help="write the measurements as JSON")
 

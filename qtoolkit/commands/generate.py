@@ -8,20 +8,28 @@ import sys
 HELP = "generate completions for one or more prompts with the built-in engine"
 
 
+EXAMPLES = """\
+examples:
+  qtool generate --model default --chat --prompt "Write a haiku about rust"
+  qtool generate --model out/int4 --prompt "def fib(n):" --max-tokens 64 --temperature 0.7 --seed 1
+"""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="`default`, a Hugging Face folder, a .gguf file or a "
                                                        "compressed-tensors checkpoint")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens generated per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32 or bfloat16")
     p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB")
-    p.add_argument("--batching", choices=["continuous", "static"], default="continuous")
+    p.add_argument("--batching", choices=["continuous", "static"], default="continuous",
+                   help="scheduler: continuous (iteration-level) or static batches")
     add_speculative_arguments(p)
 
 

@@ -9,10 +9,17 @@ from .generate import add_speculative_arguments
 HELP = "serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)"
 
 
+EXAMPLES = """\
+examples:
+  qtool serve --model out/int4 --port 8000
+  curl -s localhost:8000/v1/completions -d '{"model": "out/int4", "prompt": "def add(a, b):", "max_tokens": 32}'
+"""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="`default`, a Hugging Face folder or a .gguf file")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only by default)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
     p.add_argument("--kv-cache-memory", default="1GiB", help="memory for the paged KV cache, e.g. 512MiB, 2GiB")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences the engine runs at once")
@@ -27,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-need-key", action="store_true", help="require --api-key on /metrics too")
     p.add_argument("--request-timeout", type=float, default=1800.0,
                    help="seconds a request may run before it ends with 504 (default 1800)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="level of the HTTP server's (uvicorn) and the engine's log lines")
     add_speculative_arguments(p)
 
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
+
+from qtoolkit.endpoint_args import add_server_arguments, resolve_server
 
 # ACLSum ROUGE-L's per-item deltas spread ~0.09 (measurements/2026-12-01/rougeL-fp8-8items.json): the CI
 # half-width is ~0.06 at 8 items and ~0.02 at 64, narrow enough to decide against the default policy's 0.05 bound
@@ -10,6 +14,14 @@ import argparse
 DEFAULT_MAX_ITEMS = 64
 HELP = ("one command from model + recipe to a release verdict (PASS/FAIL/INCONCLUSIVE) with a layer-by-layer "
         "ablation report")
+
+
+EXAMPLES = """\
+examples:
+  qtool signoff --model default --recipe fp8-dynamic --output runs/signoff-fp8
+  qtool signoff --model default --recipe int3-rtn-canary --output runs/canary   # must FAIL (exit 1)
+  qtool signoff --model ./my-model --recipe ./llmcompressor-recipe.yaml --policy ./policy.yaml --output runs/x
+"""
 
 
 def _ints(text: str) -> list[int]:
@@ -28,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "served checkpoint is already quantized)")
     p.add_argument("--policy", default="default", help="policy name in recipes/policies/ or a YAML path")
     p.add_argument("--limit", type=int, default=8, help="items per eval task (small keeps the run to minutes)")
-    p.add_argument("--endpoint", help="evaluate the candidate through this OpenAI-compatible endpoint")
+    add_server_arguments(p, who="the candidate (evaluated there instead of in-process)", routes=("/v1/completions",))
     p.add_argument("--candidate-endpoint", metavar="URL",
                    help="sign off a deployment: the candidate served by any OpenAI-compatible server (vLLM, SGLang, "
                         "TGI, qtool serve); --model then names its local checkpoint (tokenizer, memory gate)")
@@ -65,17 +77,18 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.recipe) == bool(deployed):
         raise QToolError("pass --recipe R (quantize and serve here) or --candidate-endpoint with --baseline-endpoint "
                          "(sign off served deployments), not both or neither")
-    report = signoff(SignoffConfig(model=args.model, recipe=args.recipe, output=args.output, policy=args.policy,
-                                   limit=args.limit, endpoint=args.endpoint, concurrency=args.concurrency,
-                                   num_requests=args.num_requests, rounds=args.rounds,
-                                   max_items=max(DEFAULT_MAX_ITEMS, args.limit) if args.max_items is None
-                                   else args.max_items,
-                                   allow_weak_sandbox=args.allow_weak_sandbox, rejudge=args.rejudge,
-                                   speculative=None if deployed or args.speculative.lower() == "none"
-                                   else args.speculative,
-                                   candidate_endpoint=args.candidate_endpoint, baseline_endpoint=args.baseline_endpoint,
-                                   baseline=args.baseline, candidate_model_id=args.candidate_model_id,
-                                   baseline_model_id=args.baseline_model_id))
+    endpoint, _ = resolve_server(args.base_url, args.endpoint, ("/v1/completions",))
+    # stdout carries the verdict; llm-compressor's loguru sink binds to whatever sys.stdout is at its import
+    with contextlib.redirect_stdout(sys.stderr):
+        report = signoff(SignoffConfig(
+            model=args.model, recipe=args.recipe, output=args.output, policy=args.policy, limit=args.limit,
+            endpoint=endpoint, concurrency=args.concurrency, num_requests=args.num_requests, rounds=args.rounds,
+            max_items=max(DEFAULT_MAX_ITEMS, args.limit) if args.max_items is None else args.max_items,
+            allow_weak_sandbox=args.allow_weak_sandbox, rejudge=args.rejudge,
+            speculative=None if deployed or args.speculative.lower() == "none" else args.speculative,
+            candidate_endpoint=args.candidate_endpoint, baseline_endpoint=args.baseline_endpoint,
+            baseline=args.baseline, candidate_model_id=args.candidate_model_id,
+            baseline_model_id=args.baseline_model_id))
     print(f"verdict: {report['verdict']}")
     for reason in report["reasons"]:
         print(f"  - {reason}")

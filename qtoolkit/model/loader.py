@@ -5,10 +5,10 @@ converted to a safetensors folder by the resolver. Pickle weights are never read
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
+from compressed_tensors.utils import is_match, match_targets
 from qtoolkit.kernels import cpu as cpu_paths
 from safetensors import safe_open
 from torch import nn
@@ -43,28 +43,31 @@ def read_tensors(source: ModelSource) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _match_rank(patterns: list[str], name: str, class_name: str = "Linear") -> int | None:
-    """How specifically `patterns` name the module: 0 by name, 1 by regex, 2 by class; None if they miss it.
-    compressed-tensors resolves a module matched by several config groups in this order."""
-    ranks = []
-    for pat in patterns or []:
-        if pat.startswith("re:"):
-            if re.match(pat[3:], name):
-                ranks.append(1)
-        elif pat == name or name.endswith("." + pat):
-            ranks.append(0)
-        elif pat == class_name:
-            ranks.append(2)
-    return min(ranks, default=None)
+# The engine matches by checkpoint tensor names, without the transformers modules: every candidate is a Linear,
+# so a meta-device Linear (no storage) stands in for class targets such as "Linear".
+_LINEAR = nn.Linear(1, 1, bias=False, device="meta")
 
 
 def config_group_for(qconfig: dict[str, Any], name: str) -> dict[str, Any] | None:
-    """The compressed-tensors config group that quantizes Linear `name`, or None when it stays dense."""
-    if _match_rank(qconfig.get("ignore", []), name) is not None:
+    """The compressed-tensors config group that quantizes Linear `name`, or None when it stays dense.
+
+    Matching is compressed-tensors' own (`is_match` for `ignore`, `match_targets` for the most specific target:
+    exact name, then `re:` regex, then class), as llm-compressor applies a recipe and vLLM loads the checkpoint;
+    a later group naming the same target wins, as in `apply_quantization_config`. A group without its own
+    `format` takes the checkpoint's global one, as vLLM does for older llm-compressor checkpoints."""
+    if is_match(name, _LINEAR, qconfig.get("ignore") or []):
         return None
-    ranked = [(rank, i, group) for i, group in enumerate((qconfig.get("config_groups") or {}).values())
-              if (rank := _match_rank(group.get("targets", []), name)) is not None]
-    return min(ranked, key=lambda x: x[:2])[2] if ranked else None
+    target_to_group: dict[str, dict[str, Any]] = {}
+    for group in (qconfig.get("config_groups") or {}).values():
+        for target in group.get("targets") or []:
+            target_to_group[target] = group
+    matched = match_targets(name, _LINEAR, target_to_group)
+    if not matched:
+        return None
+    group = target_to_group[matched[0]]
+    if not group.get("format") and qconfig.get("format"):
+        group = {**group, "format": qconfig["format"]}
+    return group
 
 
 def dense_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,122 @@
+"""`qtool plot FILE.json`: the report's plots for a standalone `qtool eval` or `qtool bench serve` result.
+
+An eval JSON gives the KLD distribution (the report's `plot_kld`) and, per task, each paired delta with its 95% CI
+(the report's quality plot, without a policy's limits). A bench JSON gives output tok/s per system over the
+concurrency tiers (the report's throughput plot) and TTFT / TPOT medians in vLLM's milliseconds.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import DataError
+from .report import _png, plot_kld
+
+
+def eval_kld_values(data: dict[str, Any]) -> dict[str, list[float]]:
+    """Per-token KLD values of every task (per text set for perplexity), as the report collects them."""
+    out: dict[str, list[float]] = {}
+    for task, entry in data.get("tasks", {}).items():
+        for rec in entry.get("records", {}).values():
+            values = (rec.get("token_record") or {}).get("kld", [])
+            key = f"{task}/{rec['text_set']}" if "text_set" in rec else task
+            out.setdefault(key, []).extend(values)
+    return {k: v for k, v in out.items() if v}
+
+
+def _deltas(data: dict[str, Any]) -> list[tuple[str, float, list[float | None]]]:
+    rows = []
+    for task, entry in data.get("tasks", {}).items():
+        summary = entry.get("summary") or {}
+        # perplexity nests its figures per text set: summary[text_set][metric]
+        flat = {f"{k}.{m}": x for k, v in summary.items() if isinstance(v, dict) and "delta" not in v
+                for m, x in v.items()}
+        for metric, v in {**summary, **flat}.items():
+            if isinstance(v, dict) and v.get("delta") is not None:
+                rows.append((f"{task}.{metric}", v["delta"], v.get("ci95") or [None, None]))
+    return rows
+
+
+def plot_eval_deltas(data: dict[str, Any]) -> str | None:
+    rows = _deltas(data)
+    if not rows:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(rows), 1, figsize=(6.5, 0.75 * len(rows) + 0.6), squeeze=False)
+    for ax, (name, delta, (lo, hi)) in zip(axes[:, 0], rows, strict=True):
+        err = [[delta - lo], [hi - delta]] if lo is not None and hi is not None else None
+        ax.errorbar([delta], [0], xerr=err, fmt="o", color="tab:blue", capsize=4)
+        ax.axvline(0, color="black", linestyle="--", linewidth=1)
+        ax.set_yticks([0], [name])
+        ax.grid(axis="x", alpha=0.3)
+    axes[0, 0].set_title("Candidate - baseline, paired 95% CI (dashed = no change)")
+    fig.tight_layout()
+    return _png(fig)
+
+
+def plot_bench(data: dict[str, Any]) -> dict[str, str | None]:
+    tiers = data.get("tiers") or []
+    if not tiers:
+        return {}
+    import matplotlib.pyplot as plt
+
+    plots: dict[str, str | None] = {}
+    for key, label, title in (("output_tok_per_s", "output tokens/s", "Throughput per system"),
+                              ("median_ttft_ms", "median TTFT (ms)", "Time to first token per system"),
+                              ("median_tpot_ms", "median TPOT (ms)", "Time per output token per system")):
+        series: dict[str, list[tuple[int, float]]] = {}
+        for tier in tiers:
+            for system, r in tier["results"].items():
+                if r.get(key) is not None:
+                    series.setdefault(system, []).append((tier["concurrency"], r[key]))
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6.5, 3.6))
+        for system, pts in series.items():
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker="o", label=system)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        plots[key.removesuffix("_ms").replace("median_", "")] = _png(fig)
+    return plots
+
+
+def plot_file(path: str | Path, output: str | Path | None = None) -> list[Path]:
+    """Write the plots of an eval or bench result JSON as PNGs next to it (or into `output`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{path} not found: pass the JSON that qtool eval or qtool bench serve wrote") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path} is not JSON ({e}): pass the JSON that qtool eval or qtool bench serve wrote") \
+            from None
+    if isinstance(data, dict) and "tasks" in data:
+        plots = {"kld": plot_kld(eval_kld_values(data)), "quality": plot_eval_deltas(data)}
+    elif isinstance(data, dict) and "tiers" in data:
+        plots = plot_bench(data)
+    else:
+        raise DataError(f"{path} is neither a qtool eval result (`tasks`) nor a bench serve result (`tiers`): "
+                        "pass one of those")
+    folder = Path(output) if output else path.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, data_b64 in plots.items():
+        if data_b64:
+            out = folder / f"{path.stem}.{name}.png"
+            out.write_bytes(base64.b64decode(data_b64))
+            written.append(out)
+    if not written:
+        raise DataError(f"{path} holds nothing to plot yet (no finished task or tier): rerun when it has")
+    return written
