@@ -55,7 +55,7 @@ class _Cells(HTMLParser):
 def test_markdown_escapes_pipes_in_cells():
     md = markdown(_report())
     row = next(line for line in md.splitlines() if line.startswith("| code.kld_mean"))
-    assert row.count(" | ") == 4 and "\\|" in row  # five cells; the detail's pipe escaped
+    assert row.count(" | ") == 5 and "\\|" in row  # six cells; the detail's pipe escaped
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed")
@@ -69,7 +69,7 @@ def test_gate_detail_with_pipe_lt_amp_renders_in_chromium(tmp_path):
     cells = _Cells()
     cells.feed(dom)
     gate = next(row for row in cells.rows if row and row[0] == "code.kld_mean")
-    assert gate == ["code.kld_mean", "FAIL", "0.5", "0.6", DETAIL]  # one cell, text exactly as written
+    assert gate == ["code.kld_mean", "FAIL", "0.5", "0.6", DETAIL, ""]  # one cell, text exactly as written
     step = next(row for row in cells.rows if row and row[0] == "quantize")
     assert step[-1] == "bad | worse third line"
     assert "b" not in cells.tags  # `<b>` in a detail or reason stays text
