@@ -1,4 +1,4 @@
-"""A flat LLaMA-family decoder (LLaMA, Mistral, Qwen2) written for paged, continuous batching.
+"""A flat LLaMA-family decoder (LLaMA, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) written for paged, continuous batching.
 
 All scheduled tokens of a step are flattened into one [T] batch; per-sequence metadata (positions, cache slots,
 block tables, attention groups) tells attention which cached K/V each query sees. A sequence may bring any
@@ -9,7 +9,7 @@ picks which rows get logits (last token per sequence, or every token for scoring
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -18,8 +18,10 @@ from qtoolkit.kernels.cpu_build import engine_ops
 from torch import nn
 
 from ..errors import ModelSourceError
+from .moe import MoEConfig, SparseMoE
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm over each head's q and k before RoPE
 
 
 @dataclass
@@ -39,13 +41,16 @@ class ModelConfig:
     mlp_bias: bool
     rope_scaling: dict[str, Any] | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    qk_norm: bool = False
+    moe: MoEConfig | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelSourceError(f"model_type {model_type!r} is not supported by the engine: use a LLaMA, "
-                                   f"Mistral or Qwen2 model ({', '.join(SUPPORTED_MODEL_TYPES)})")
+            raise ModelSourceError(f"model_type {model_type!r} is not supported by the engine: use one of "
+                                   f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        _refuse_window(cfg, model_type)
         rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5 nests rope settings here
         legacy = cfg.get("rope_scaling") or {}
         rope = {**legacy, **rope}
@@ -64,7 +69,20 @@ class ModelConfig:
             qkv_bias=cfg.get("attention_bias", model_type == "qwen2"), mlp_bias=cfg.get("mlp_bias", False),
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            qk_norm=model_type in QK_NORM_MODEL_TYPES, moe=MoEConfig.from_hf(cfg),
         )
+
+
+def _refuse_window(cfg: dict[str, Any], model_type: str) -> None:
+    """Qwen3 and Mixtral configs may ask for sliding-window attention, which this decoder does not run: refuse
+    rather than attend over the full context (Qwen3's window only applies with use_sliding_window)."""
+    window = cfg.get("sliding_window")
+    if model_type in ("qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+        window = None
+    if model_type in ("qwen3", "qwen3_moe", "mixtral") and window is not None \
+            and window < cfg.get("max_position_embeddings", 2048):
+        raise ModelSourceError(f"{model_type} with sliding_window={window} needs sliding-window attention, which "
+                               "the engine does not run for this family: use a config without a window")
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -133,11 +151,16 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.qkv_proj: nn.Module | None = None  # fused q|k|v, set by the loader
         self.o_proj: nn.Module | None = None
+        # per-head norms over [tokens, heads, head_dim] before RoPE (Qwen3); weights set by the loader
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_cache = self.v_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, D], set by the runner
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, H, Hk, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)  # .forward: no hooks here, and ~3 us a call saved
+        if self.q_norm is not None:
+            qkv = self._qk_norm(qkv)
         ops = engine_ops() if self.k_cache.device.type == "cpu" and qkv.dtype == self.k_cache.dtype else None
         if ops is not None:
             q = ops.rope_and_cache(qkv.contiguous(), cos, sin, self.k_cache, self.v_cache, batch.slot_mapping, H, Hk)
@@ -154,6 +177,13 @@ class Attention(nn.Module):
             o = self._attend(q, group)
             out[group.rows] = o if group.scatter is None else o.index_select(0, group.scatter)
         return self.o_proj.forward(out)
+
+    def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        """q|k|v with q and k normalised per head; v passes through."""
+        T, H, Hk, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_norm(qkv[:, :H * D].view(T, H, D)).view(T, H * D)
+        k = self.k_norm(qkv[:, H * D:(H + Hk) * D].view(T, Hk, D)).view(T, Hk * D)
+        return torch.cat((q, k, qkv[:, (H + Hk) * D:]), dim=-1)
 
     def _attend(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         if g.row_seq is not None:
@@ -208,13 +238,22 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
+def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
+    """The layer's MLP: dense SwiGLU, or the MoE block on the config's sparse layers (experts are SwiGLU MLPs)."""
+    moe = config.moe
+    if moe is None or layer not in moe.sparse_layers:
+        return MLP(config)
+    expert = replace(config, intermediate_size=moe.intermediate_size)
+    return SparseMoE(moe, [MLP(expert) for _ in range(moe.num_experts)])
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = make_mlp(config, layer)
 
     def forward(self, x, residual, cos, sin, batch):
         h, residual = self.input_norm.add_forward(x, residual)
@@ -227,7 +266,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config, self.dtype = config, dtype
         self.embed_tokens = nn.Parameter(torch.empty(0), requires_grad=False)  # [V, hidden], set by the loader
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Module | None = None
         freqs = torch.outer(torch.arange(config.max_position_embeddings).float(), rope_inv_freq(config))
