@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,90 @@ def test_int4_checkpoint_loads_with_int4_experts_and_matches_fake_quant(family, 
     for g, w in zip(engine.score([short, long]), want, strict=True):
         torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4)
     assert greedy(engine, [SHORT], [8]) == [hf_greedy(ref, tok, SHORT, 8)], name
+
+
+# -- the MoE block, the CLI, refusals -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def wide_moe(tmp_path_factory, tokenizer_dir):
+    """qwen3_moe with 8 experts, top-2 renormalised: most experts idle for any one token."""
+    return build_family(tmp_path_factory.mktemp("wide-moe"), tokenizer_dir, "qwen3_moe", num_experts=8,
+                        norm_topk_prob=True, mlp_only_layers=[])
+
+
+def test_moe_runs_only_the_routed_experts_once_each_with_their_tokens(wide_moe):
+    from qtoolkit.model.loader import load_model
+    from qtoolkit.model.moe import route
+    from qtoolkit.sources import resolve_model
+
+    block = load_model(resolve_model(str(wide_moe))).layers[0].mlp
+    calls: dict[int, list[int]] = {}
+    for e, expert in enumerate(block.experts):
+        def counted(x, e=e, inner=expert.forward):
+            calls.setdefault(e, []).append(x.shape[0])
+            return inner(x)
+        expert.forward = counted
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)) * 10
+    out = block.forward(x)
+    weights, picked = route(x @ block.gate.weight.float().t(), block.config)
+    routed = {e: int((picked == e).sum()) for e in picked.unique().tolist()}
+    assert {e: sum(n) for e, n in calls.items()} == routed and all(len(n) == 1 for n in calls.values())
+    assert len(routed) < 8
+    # the same sum written densely: every token through its k experts, weighted
+    dense = torch.stack([sum(w * _expert_dense(block.experts[e], x[t])
+                             for w, e in zip(weights[t], picked[t].tolist(), strict=True)) for t in range(5)])
+    torch.testing.assert_close(out, dense, atol=1e-4, rtol=1e-4)
+    calls.clear()  # one decode token: exactly top_k expert calls
+    block.forward(x[:1])
+    assert sorted(calls) == sorted(picked[0].tolist()) and all(n == [1] for n in calls.values())
+
+
+def _expert_dense(expert, x: torch.Tensor) -> torch.Tensor:
+    gate, up = (x @ expert.gate_up_proj.weight.t()).chunk(2)
+    return (torch.nn.functional.silu(gate) * up) @ expert.down_proj.weight.t()
+
+
+def test_fused_3d_expert_checkpoint_loads_like_the_per_expert_one(family, tmp_path):
+    """transformers 5's in-memory layout (experts.gate_up_proj [E, 2I, H]) written as is, Mixtral included."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    name, folder, refs = family
+    if name == "qwen3":
+        pytest.skip("dense family")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    fused = tmp_path / "fused"
+    shutil.copytree(folder, fused, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, fused / "model.safetensors")
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in _tensors(fused))
+    assert greedy(make(fused), PROMPTS[:2], [NEW_TOKENS] * 2) == refs[:2]
+
+
+@pytest.mark.parametrize("which", ["qwen3_moe", "mixtral"])
+def test_qtool_generate_greedy_through_the_cli(which, tmp_path, tokenizer_dir, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = build_family(tmp_path / which, tokenizer_dir, which)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for prompt in (SHORT, LONG):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            ref = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+        assert main(["generate", "--model", str(folder), "--prompt", prompt, "--temperature", "0",
+                     "--max-tokens", "12", "--kv-cache-memory", "8MiB"]) == 0
+        assert capsys.readouterr().out == tok.decode(ref, skip_special_tokens=True) + "\n"
+
+
+def test_unsupported_family_and_window_are_refused_with_the_list(family, tmp_path, capsys):
+    name, folder, _ = family
+    for change, words in (({"model_type": "deepseek_v3"}, ["'deepseek_v3' is not supported", "qwen3_moe",
+                                                           "mixtral", "qwen3"]),
+                          ({"use_sliding_window": True, "sliding_window": 16}, ["sliding_window=16"])):
+        bad = tmp_path / f"bad-{len(words)}"
+        shutil.copytree(folder, bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**cfg, **change}))
+        assert main(["generate", "--model", str(bad), "--prompt", "hi", "--max-tokens", "2"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and all(w in err for w in words), err
