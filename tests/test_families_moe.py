@@ -299,3 +299,21 @@ def test_unsupported_family_and_window_are_refused_with_the_list(family, tmp_pat
         assert main(["generate", "--model", str(bad), "--prompt", "hi", "--max-tokens", "2"]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and all(w in err for w in words), err
+
+
+@pytest.mark.parametrize("recipe,kind", [("int8-weight", "int8"), ("fp8-weight", "fp8")])
+def test_int8_and_fp8_experts_match_fake_quant(wide_moe, recipe, kind, tmp_path, monkeypatch):
+    from qtoolkit.kernels import cpu
+    from transformers import AutoTokenizer
+
+    out = quantize_cli(wide_moe, recipe, tmp_path / recipe)
+    engine = make(out)
+    block = engine.model.layers[0].mlp
+    assert {e.gate_up_proj.kind for e in block.experts} == {e.down_proj.kind for e in block.experts} == {kind}
+    ref = fake_quant_reference(wide_moe, out)
+    ids = AutoTokenizer.from_pretrained(out)(LONG).input_ids
+    for name in ("GEMV_MAX_M", "FP8_GEMV_MAX_M"):  # the dequantize + sgemm path: exact W8A16
+        monkeypatch.setattr(cpu, name, 0)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].log_softmax(-1)
+    torch.testing.assert_close(engine.score([ids])[0], want, atol=2e-4, rtol=1e-4)
