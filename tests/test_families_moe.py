@@ -87,7 +87,7 @@ def make(folder: Path, blocks: int = 256, block_size: int = 4, **kw) -> Engine:
     return engine
 
 
-def greedy(engine: Engine, prompts: list[str], lengths: list[int]) -> list[list[int]]:
+def greedy(engine: Engine, prompts: list[str | list[int]], lengths: list[int]) -> list[list[int]]:
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
     return [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
 
@@ -115,12 +115,22 @@ def test_mixed_batch_with_preemption_chunks_and_prefix_cache_matches_transformer
 def test_speculation_keeps_greedy_identity(family):
     """ngram (prompt lookup) and the target's own INT4 copy (experts quantized, router dense)."""
     name, folder, refs = family
-    lengths = [NEW_TOKENS] * len(PROMPTS)
+    plain = make(folder)
+    # the prompt followed by its own continuation and the prompt again: a model that repeats itself gets a match
+    ids = plain.tokenizer(SHORT).input_ids
+    looped = ids + refs[0] + ids
+    prompts, lengths = PROMPTS + [looped], [NEW_TOKENS] * (len(PROMPTS) + 1)
+    want = refs + greedy(plain, [looped], [NEW_TOKENS])
+    contexts = [plain.tokenizer(p).input_ids if isinstance(p, str) else p for p in prompts]
+    # prompt lookup (n >= 1) has a proposal at a decode step iff the newest token occurred earlier
+    lookup_hits = any(out[j - 1] in ctx + out[:j - 1] for ctx, out in zip(contexts, want, strict=True)
+                      for j in range(1, NEW_TOKENS - 1))
     for spec in ("ngram", "self-int4"):
         engine = make(folder, speculative=spec, num_speculative_tokens=3, max_verify_tokens=64)
-        assert greedy(engine, PROMPTS, lengths) == refs, (name, spec)
+        assert greedy(engine, prompts, lengths) == want, (name, spec)
         stats = engine.stats()
-        assert stats["speculative"]["draft_tokens"] > 0 and stats["kv_blocks_used"] == 0, (name, spec)
+        drafted = stats["speculative"]["draft_tokens"] > 0
+        assert drafted == (lookup_hits if spec == "ngram" else True) and stats["kv_blocks_used"] == 0, (name, spec)
 
 
 # -- quantized checkpoints --------------------------------------------------------------------------------
