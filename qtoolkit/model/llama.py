@@ -1,8 +1,9 @@
-"""A flat decoder for the LLaMA family and its relatives (LLaMA, Mistral, Qwen2, Gemma 3), written for paged,
+"""A flat decoder for the LLaMA family and its relatives (LLaMA, Mistral, Qwen2, Qwen3, Gemma 3, and the
+mixture-of-experts Qwen3-MoE and Mixtral), written for paged,
 continuous batching. The families differ in pieces the config picks, not in code paths: full or sliding-window
 attention per layer, optional per-head q/k norm, the RMSNorm variant (w or 1 + w), the MLP's activation, a rope
 per layer type, norms around the attention and MLP outputs (Gemma's sandwich), scaled embeddings, final logit
-soft-capping.
+soft-capping, a routed MoE block in place of the MLP.
 
 All scheduled tokens of a step are flattened into one [T] batch; per-sequence metadata (positions, cache slots,
 block tables, attention groups) tells attention which cached K/V each query sees. A sequence may bring any
@@ -13,7 +14,7 @@ picks which rows get logits (last token per sequence, or every token for scoring
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,8 +24,10 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ..errors import ModelSourceError
+from .moe import MoEConfig, SparseMoE
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")  # per-head norm of q and k before RoPE
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types names
 # families whose config has `use_sliding_window`: without it their sliding_window is ignored (as transformers does)
 USE_SLIDING_WINDOW_FLAG = ("qwen2", "qwen3", "qwen3_moe")
@@ -70,6 +73,7 @@ class ModelConfig:
         if self.local_rope_theta is not None and self.layer_window(i) is not None:
             return self.local_rope_theta, self.local_rope_scaling
         return self.rope_theta, self.rope_scaling
+    moe: MoEConfig | None = None  # routed experts on the sparse layers (Qwen3-MoE, Mixtral)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -103,7 +107,8 @@ class ModelConfig:
             local_rope_scaling=None if local_rope is None else rope_scaling_of(local_rope),
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or
             ("gelu_pytorch_tanh" if gemma else "silu"),
-            unit_offset_norm=gemma, sandwich_norms=gemma, qk_norm=gemma, embed_scale=gemma,
+            unit_offset_norm=gemma, sandwich_norms=gemma, qk_norm=model_type in QK_NORM_MODEL_TYPES,
+            embed_scale=gemma, moe=MoEConfig.from_hf(cfg),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256) if gemma else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
         )
@@ -343,6 +348,15 @@ def norm_class(config: ModelConfig) -> type[RMSNorm]:
     return GemmaRMSNorm if config.unit_offset_norm else RMSNorm
 
 
+def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
+    """The layer's MLP: dense SwiGLU, or the MoE block on the config's sparse layers (experts are SwiGLU MLPs)."""
+    moe = config.moe
+    if moe is None or layer not in moe.sparse_layers:
+        return MLP(config)
+    expert = replace(config, intermediate_size=moe.intermediate_size)
+    return SparseMoE(moe, [MLP(expert) for _ in range(moe.num_experts)])
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
@@ -350,7 +364,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = norm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, layer)
         self.post_attn_norm = norm(config.hidden_size, config.rms_norm_eps)  # the MLP's input norm
-        self.mlp = MLP(config)
+        self.mlp = make_mlp(config, layer)
         # Gemma's sandwich: norms on the attention and MLP outputs before each joins the residual
         self.attn_out_norm = norm(config.hidden_size, config.rms_norm_eps) if config.sandwich_norms else None
         self.mlp_out_norm = norm(config.hidden_size, config.rms_norm_eps) if config.sandwich_norms else None

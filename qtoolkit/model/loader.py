@@ -16,6 +16,7 @@ from torch import nn
 from ..errors import ModelSourceError
 from ..sources import ModelSource
 from .llama import DecoderLayer, LlamaModel, ModelConfig
+from .moe import SparseMoE
 from .quant_linear import DenseLinear
 
 # Why "auto" means float32 for dense weights on this CPU (MEASUREMENTS.md, AVX2 without native bf16):
@@ -84,6 +85,11 @@ class LinearFactory:
 
     def __init__(self, tensors: dict[str, torch.Tensor], qconfig: dict[str, Any] | None, dtype: torch.dtype):
         self.tensors, self.qconfig, self.dtype = tensors, qconfig, dtype
+        # module name -> {tensor suffix: tensor}: a MoE checkpoint holds ~10^5 tensors, too many to scan per Linear
+        self.by_module: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            module, _, suffix = key.rpartition(".")
+            self.by_module.setdefault(module, {})[suffix] = value
         self.quant_linear = None
         if qconfig is not None:
             if qconfig.get("quant_method", "compressed-tensors") != "compressed-tensors":
@@ -96,9 +102,11 @@ class LinearFactory:
                                        "with qtoolkit/model/quant_linear.py") from None
             self.quant_linear = quant_linear
 
+    def has(self, name: str) -> bool:
+        return name in self.by_module
+
     def _parts(self, name: str) -> dict[str, torch.Tensor]:
-        prefix = name + "."
-        parts = {k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)}
+        parts = self.by_module.get(name)
         if not parts:
             raise ModelSourceError(f"checkpoint has no tensors for {name}: the folder is incomplete or not a "
                                    "LLaMA-family model")
@@ -164,6 +172,9 @@ def load_model(source: ModelSource, dtype: str = "auto") -> LlamaModel:
             norm.weight = nn.Parameter(take(name), requires_grad=False)
         layer.attn.qkv_proj = factory.make([attn + "q_proj", attn + "k_proj", attn + "v_proj"])
         layer.attn.o_proj = factory.make([attn + "o_proj"])
+        if isinstance(layer.mlp, SparseMoE):
+            load_moe(layer.mlp, factory, p)
+            continue
         mlp = p + "mlp."
         layer.mlp.gate_up_proj = factory.make([mlp + "gate_proj", mlp + "up_proj"])
         layer.mlp.down_proj = factory.make([mlp + "down_proj"])
@@ -174,3 +185,33 @@ def load_model(source: ModelSource, dtype: str = "auto") -> LlamaModel:
         model.lm_head = factory.make(["lm_head"])
     model.cast_rope()
     return model.eval().bind_submodules()
+
+
+# Per-expert Linear names: (gate, up, down). Qwen3-MoE and llm-compressor's outputs (Mixtral included) use the
+# first; Mixtral's original checkpoints the second (w1 = gate, w3 = up, w2 = down).
+EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def load_moe(moe: SparseMoE, factory: LinearFactory, layer_prefix: str) -> None:
+    """Router and experts of one MoE layer, from `mlp.` (Qwen3-MoE, transformers' in-memory names) or
+    `block_sparse_moe.` (Mixtral), per expert or as transformers 5's fused 3-D `experts.gate_up_proj`
+    [E, 2I, H] / `experts.down_proj` [E, H, I] (dense only: compressed-tensors quantizes 2-D Linears)."""
+    prefix = next((layer_prefix + b for b in ("mlp.", "block_sparse_moe.") if factory.has(layer_prefix + b + "gate")),
+                  None)
+    if prefix is None:
+        raise ModelSourceError(f"checkpoint has no MoE router for {layer_prefix}mlp.gate: the folder is incomplete "
+                               "or its layers are not those of its config.json")
+    router = factory.by_module[prefix + "gate"]
+    # a dense router stays dense whatever the config groups match (llm-compressor lists it in `ignore`)
+    dense = "weight" in router and "weight_scale" not in router
+    moe.gate = factory.dense(router["weight"], None) if dense else factory.make([prefix + "gate"])
+    fused = factory.by_module.get(prefix + "experts", {})
+    for e, expert in enumerate(moe.experts):
+        if "gate_up_proj" in fused and "down_proj" in fused:
+            expert.gate_up_proj = factory.dense(fused["gate_up_proj"][e], None)
+            expert.down_proj = factory.dense(fused["down_proj"][e], None)
+            continue
+        base = f"{prefix}experts.{e}."
+        names = next((n for n in EXPERT_NAMES if factory.has(base + n[0])), EXPERT_NAMES[0])
+        expert.gate_up_proj = factory.make([base + names[0], base + names[1]])
+        expert.down_proj = factory.make([base + names[2]])

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ...model.llama import LlamaModel, RMSNorm
+from ...model.moe import SparseMoE
 from .base import SpeculativeConfigError
 
 # Group 32 with zero points lines up with the default model's Q4_1 blocks (scale + min per 32 weights): measured
@@ -43,7 +44,7 @@ def quantize_copy(target: LlamaModel, kind: str) -> LlamaModel:
     """A LlamaModel sharing the target's embeddings and norms, its Linears (lm_head included) quantized."""
     from qtoolkit.kernels.reference import quantize_weight
 
-    from qtoolkit.model.quant_linear import make_linear
+    from qtoolkit.model.quant_linear import DenseLinear, make_linear
 
     if kind not in SCHEMES:
         raise SpeculativeConfigError(f"self-draft format {kind!r} is unknown: use self-int4 or self-fp8")
@@ -63,8 +64,13 @@ def quantize_copy(target: LlamaModel, kind: str) -> LlamaModel:
     for i, (src, dst) in enumerate(zip(target.layers, draft.layers, strict=True)):
         dst.attn.qkv_proj = quantized(src.attn.qkv_proj, f"layer {i} qkv_proj")
         dst.attn.o_proj = quantized(src.attn.o_proj, f"layer {i} o_proj")
-        dst.mlp.gate_up_proj = quantized(src.mlp.gate_up_proj, f"layer {i} gate_up_proj")
-        dst.mlp.down_proj = quantized(src.mlp.down_proj, f"layer {i} down_proj")
+        if isinstance(src.mlp, SparseMoE):  # the router stays dense, as in a quantized checkpoint
+            dst.mlp.gate = DenseLinear(_dense_weight(src.mlp.gate, f"layer {i} router").float())
+        pairs = zip(src.mlp.experts, dst.mlp.experts, strict=True) if isinstance(src.mlp, SparseMoE) else \
+            [(src.mlp, dst.mlp)]
+        for s_mlp, d_mlp in pairs:
+            d_mlp.gate_up_proj = quantized(s_mlp.gate_up_proj, f"layer {i} gate_up_proj")
+            d_mlp.down_proj = quantized(s_mlp.down_proj, f"layer {i} down_proj")
     # the tied head is a fifth of an fp32 step's bytes: quantizing it too is what makes the draft cheap
     draft.lm_head = quantized(target.lm_head, "lm_head", HEAD_SCHEMES[kind])
     draft.cast_rope()
