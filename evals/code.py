@@ -24,9 +24,14 @@ def program(problem: dict[str, Any], completion: str) -> str:
     return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
 
 
-def execute(problem: dict[str, Any], completion: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
-    r = run_program(program(problem, completion), limits)
+def run_checked(source: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """Run a program that checks a completion in the sandbox; the one place a pass is read from its result."""
+    r = run_program(source, limits)
     return {"passed": r.passed, "status": r.status, "error": "" if r.passed else r.stderr[-300:]}
+
+
+def execute(problem: dict[str, Any], completion: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    return run_checked(program(problem, completion), limits)
 
 
 class CodeTask:

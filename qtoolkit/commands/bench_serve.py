@@ -31,7 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 32], help="tiers, e.g. 1,4,16,32")
     p.add_argument("--batching", type=_modes, default=["continuous"],
                    help="static, continuous, or static,continuous to measure both (and their ratio) in one run")
-    p.add_argument("--workload", choices=["code", "summarization", "mixed"], default="mixed")
+    p.add_argument("--workload", default="mixed",
+                   help="code, summarization, mixed, or your own workload file(s) FILE.jsonl[,FILE2.jsonl] "
+                        "(prompt or messages per line; max_tokens per line, else the answer length measured on "
+                        "the first system)")
     p.add_argument("--rate", type=float, default=None, help="Poisson arrival rate in requests/s (default: all at once)")
     p.add_argument("--num-requests", type=int, default=None,
                    help="requests per tier (default: 2 x concurrency, between 4 and 64)")
@@ -76,9 +79,12 @@ def run(args: argparse.Namespace) -> int:
         check_speculative_args(proposer, args.num_speculative_tokens)
     if args.speculative and args.endpoint:
         raise QToolError("--speculative starts our own servers: drop --endpoint (or start that server with it)")
+    from ..workload_files import parse_workload
+
+    workload = parse_workload(args.workload)
     signal.signal(signal.SIGTERM, _interrupt)
     report = bench_serve(args.model, endpoint=args.endpoint, concurrency=args.concurrency, batching=args.batching,
-                         workload=args.workload, rate=args.rate, num_requests=args.num_requests,
+                         workload=workload, rate=args.rate, num_requests=args.num_requests,
                          compare_hf=args.compare == "hf", seed=args.seed, mean_output_tokens=args.mean_output_tokens,
                          max_output_tokens=args.max_output_tokens, api=args.api, ignore_eos=args.ignore_eos,
                          api_key=args.api_key, kv_cache_memory=args.kv_cache_memory,

@@ -10,8 +10,12 @@ HELP = "evaluate a candidate against a baseline on code, summarization and perpl
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="candidate model source (default, HF folder, .gguf, quantized checkpoint)")
     p.add_argument("--baseline", help="baseline model source (usually the unquantized model)")
-    p.add_argument("--task", "--tasks", dest="task", default="code,summarization,perplexity",
-                   help="comma-separated: code, summarization, perplexity (with --harness lm-eval: lm-eval task names)")
+    p.add_argument("--task", "--tasks", dest="task", default=None,
+                   help="comma-separated: code, summarization, perplexity, custom (with --harness lm-eval: lm-eval "
+                        "task names; default code,summarization,perplexity, or custom with --data)")
+    p.add_argument("--data", action="append", default=[], metavar="FILE.jsonl",
+                   help="custom: your own workload file (prompt or messages per line, optional reference, tests, "
+                        "max_tokens, id); repeatable, each file is task custom:FILE-STEM")
     p.add_argument("--limit", type=int, help="items per task (default: a few minutes per task on a 2-core CPU)")
     p.add_argument("--backend", choices=["engine", "hf"], default="engine",
                    help="in-process model runner: qtoolkit's engine (default) or plain transformers")
@@ -45,15 +49,17 @@ def run(args: argparse.Namespace) -> int:
     if args.harness == "lm-eval":
         from qtoolkit.evals.lm_eval_run import run_lm_eval
 
-        run_lm_eval(args.model, args.task, args.output, limit=args.limit, backend=args.backend, seed=args.seed)
+        run_lm_eval(args.model, args.task or "code,summarization,perplexity", args.output, limit=args.limit, backend=args.backend, seed=args.seed)
         status(f"results -> {args.output}")
         return 0
+    from qtoolkit.evals.custom import custom_tasks, expand_task_spec
     from qtoolkit.evals.runner import EvalConfig, evaluate, summary_lines
 
-    options = {"samples": args.samples, "temperature": args.temperature}
+    tasks = expand_task_spec(args.task or ("custom" if args.data else "code,summarization,perplexity"), args.data)
+    options = {"samples": args.samples, "temperature": args.temperature, "custom_data": custom_tasks(args.data)}
     if args.max_tokens is not None:
         options["max_tokens"] = args.max_tokens
-    cfg = EvalConfig(model=args.model, baseline=args.baseline, tasks=args.task, output=args.output,
+    cfg = EvalConfig(model=args.model, baseline=args.baseline, tasks=tasks, output=args.output,
                      limit=args.limit, backend=args.backend, endpoint=args.endpoint,
                      baseline_endpoint=args.baseline_endpoint, seed=args.seed, overwrite=args.overwrite,
                      task_options=options)
