@@ -159,6 +159,8 @@ def expand_task_spec(spec: str, paths: list[str]) -> str:
     names = [t.strip() for t in spec.split(",") if t.strip()]
     if paths and "custom" not in names and not any(n.startswith("custom:") for n in names):
         raise DataError("--data gives a workload file: add `custom` to --task (e.g. --task custom)")
+    if "custom" in names and not paths:
+        raise DataError("--task custom needs a workload file: pass --data FILE.jsonl (one task per file)")
     out: list[str] = []
     for n in names:
         out += list(custom_tasks(paths)) if n == "custom" else [n]

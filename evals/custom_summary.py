@@ -29,6 +29,7 @@ def item_regression(r: dict[str, Any]) -> dict[str, Any]:
            else r["nll_answer_candidate"] - r["nll_answer_baseline"])
     return {"id": r["id"], "line": r["line"], "kind": r["kind"], "prompt": r["prompt"],
             "pass_lost": bool(b.get("passed")) and not c.get("passed") if r["has_tests"] else None,
+            "passed": {"candidate": c.get("passed"), "baseline": b.get("passed")} if r["has_tests"] else None,
             "rougeL_drop": b["rougeL"] - c["rougeL"] if r["has_reference"] else None,
             "kld_mean": _mean_kld(r), "nll_delta": nll, "agree": r["agree_exact"],
             "tokens": {"candidate": c["tokens"], "baseline": b["tokens"]},

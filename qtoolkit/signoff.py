@@ -15,7 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import custom_signoff
 from .errors import QToolError
+from .evals.custom import custom_tasks
 from .io import write_json
 from .policy import METRICS, Bound, Policy, check_bound, load_policy, read_metric
 from .progress import status
@@ -41,6 +43,7 @@ class SignoffConfig:
     diagnose_batches: tuple[int, ...] = (1, 8)
     seed: int = 0
     rounds: int = 5  # of the throughput gates' systems at the top tier: the gates judge their spread
+    data: list[str] = field(default_factory=list)  # workload files: custom:STEM tasks and the bench's traffic
 
 
 @dataclass
@@ -148,13 +151,15 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     if cfg.rounds <= 0:
         raise QToolError(f"--rounds must be a positive number of bench rounds, got {cfg.rounds}")
     policy = load_policy(cfg.policy)  # a bad policy is bad input: exit 2 before any work
+    custom_signoff.check_policy(policy, cfg.data)
     recipe = load_recipe(cfg.recipe)
     source = resolve_model(cfg.model)
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     steps = StepRunner(out)
     ckpt = out / "checkpoint"
-    tasks = ",".join(policy.tasks) or "code,summarization"
+    tasks = custom_signoff.eval_tasks(policy, cfg.data)
+    data = custom_signoff.data_inputs(cfg.data)
     results: dict[str, dict[str, Any]] = {}
 
     def do_quantize() -> None:
@@ -169,14 +174,15 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     cand_key = f"{source.sha256}:{quant['recipe']['sha256']}" if quant else None
 
     eval_inputs = {"candidate": cand_key, "baseline": source.sha256, "tasks": tasks, "limit": cfg.limit,
-                   "endpoint": cfg.endpoint, "seed": cfg.seed}
+                   "endpoint": cfg.endpoint, "seed": cfg.seed, **({"data": data} if data else {})}
 
     def do_eval() -> None:
         from qtoolkit.evals.runner import EvalConfig, evaluate
 
         # eval.json is written per batch: an interrupted run with the same inputs resumes its finished items
         evaluate(EvalConfig(model=str(ckpt), baseline=str(source.path), tasks=tasks, output=str(out / "eval.json"),
-                            limit=cfg.limit, endpoint=cfg.endpoint, seed=cfg.seed, overwrite=not resume_eval))
+                            limit=cfg.limit, endpoint=cfg.endpoint, seed=cfg.seed, overwrite=not resume_eval,
+                            task_options={"custom_data": custom_tasks(cfg.data)}))
 
     if quant:
         resume_eval = steps.interrupted("eval", eval_inputs)
@@ -191,7 +197,8 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
             write_json(out / "bench.json", bench_ablation(
                 source.path, ckpt, concurrency=cfg.concurrency, num_requests=cfg.num_requests,
                 mean_output_tokens=cfg.mean_output_tokens, speculative=cfg.speculative, seed=cfg.seed,
-                rounds=cfg.rounds, repeat=tuple(repeat)))
+                rounds=cfg.rounds, repeat=tuple(repeat),
+                workload=custom_signoff.bench_workload(cfg.data, out / "eval.json")))
 
         from .ablation import BASE_SYSTEMS
 
@@ -201,7 +208,7 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
                                                "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed,
                                                "speculative": cfg.speculative, "rounds": cfg.rounds,
                                                "quantization_gate": policy.throughput.min_quantization_speedup
-                                               is not None},
+                                               is not None, **({"data": data} if data else {})},
                                      out / "bench.json", do_bench)
     else:
         for name in ("eval", "bench"):
@@ -219,7 +226,7 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     evals = _load(out / "eval.json") if results.get("eval", {}).get("status") == "ok" else None
     bench = _load(out / "bench.json") if results.get("bench", {}).get("status") == "ok" else None
     ablation = ablation_table(bench) if bench else None
-    gates = evaluate_gates(policy, evals, ablation, quant)
+    gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, ablation, quant)
     failed_steps = [n for n in STEPS if results.get(n, {}).get("status") != "ok"]
     failed_gates = [g for g in gates if not g.passed]
     verdict = "PASS" if not failed_steps and not failed_gates and gates else "FAIL"

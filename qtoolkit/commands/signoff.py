@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds of the throughput gates' systems at the top tier, on fresh requests each; the gates "
                         "judge the lower 95%% bound of the per-round speedups (default 5; 1 judges one point)")
+    p.add_argument("--data", action="append", default=[], metavar="FILE.jsonl",
+                   help="your own workload file (repeatable): its task custom:FILE-STEM joins the gates (policy "
+                        "section `custom`) and the report, and the benchmark replays its request mix")
     p.add_argument("--output", required=True, help="report folder (reruns reuse finished steps)")
 
 
@@ -39,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     report = signoff(SignoffConfig(model=args.model, recipe=args.recipe, output=args.output, policy=args.policy,
                                    limit=args.limit, endpoint=args.endpoint, concurrency=args.concurrency,
-                                   num_requests=args.num_requests, rounds=args.rounds,
+                                   num_requests=args.num_requests, rounds=args.rounds, data=args.data,
                                    speculative=None if args.speculative.lower() == "none" else args.speculative))
     print(f"verdict: {report['verdict']}")
     for reason in report["reasons"]:
