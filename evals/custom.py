@@ -45,7 +45,7 @@ def answer_code(item: WorkloadItem, answer: str) -> str:
     return m.group(1) if m else answer
 
 
-def test_program(item: WorkloadItem, answer: str) -> str:
+def checking_program(item: WorkloadItem, answer: str) -> str:
     """The program that checks one answer (see the module docstring)."""
     return f"completion = {answer!r}\n{answer_code(item, answer)}\n\n{item.tests}\n"
 
@@ -100,7 +100,7 @@ class CustomTask:
         if item.reference is not None:
             side["rougeL"] = self.scorer.score(item.reference, gen.text.strip())["rougeL"].fmeasure
         if item.tests is not None:
-            side.update(run_checked(test_program(item, gen.text), self.limits))
+            side.update(run_checked(checking_program(item, gen.text), self.limits))
         return side
 
     def run_batch(self, batch: list[dict[str, Any]], candidate: Backend, baseline: Backend) -> list[dict]:
