@@ -14,8 +14,9 @@ How `tests` see the answer (HumanEval style): the sandbox runs one program per a
     <tests>
 
 where <code> is prompt + answer for a `prompt` line (the prompt is the start of the program) and, for a
-`messages` line, the first fenced ```python block of the answer (the whole answer when it has none). The answer
-passes when the program exits 0 (an assert that fails, an exception, a timeout: it fails).
+`messages` line, the first fenced ```python block of the answer (to the answer's end when the fence is not
+closed; the whole answer when there is no fence). The answer passes when the program exits 0 (an assert that
+fails, an exception, a timeout: it fails).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .sandbox import Limits
 from .task import compare_scored
 from .workload_file import WorkloadItem, file_sha256, render_prompt, sample_items, task_name
 
-_FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL | re.IGNORECASE)
 _PREVIEW = 80
 
 

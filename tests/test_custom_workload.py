@@ -252,3 +252,17 @@ def test_signoff_with_data_on_the_default_model(tmp_path):
     assert "## Worst regressions: custom:example-workload" in (out / "report.md").read_text()
     bench = json.loads((out / "bench.json").read_text())
     assert bench["config"]["workload"]["files"][0]["path"] == str(EXAMPLE)
+
+
+def test_chat_answers_give_their_first_python_fence_to_the_tests():
+    from qtoolkit.evals.custom import answer_code, checking_program
+    from qtoolkit.evals.workload_file import WorkloadItem
+
+    chat = WorkloadItem(messages=[{"role": "user", "content": "x"}], tests="assert f() == 1")
+    assert answer_code(chat, "Sure:\n```python\nx = 1\n```\nthen\n```python\ny = 2\n```") == "x = 1\n"
+    assert answer_code(chat, "```py\ndef f():\n    return 1") == "def f():\n    return 1"  # cut off at max_tokens
+    assert answer_code(chat, "def f(): return 1") == "def f(): return 1"
+    completion = WorkloadItem(prompt="def f():\n", tests="assert f() == 1")
+    program = checking_program(completion, "    return 1\n")
+    assert program.startswith("completion = '    return 1\\n'\ndef f():\n    return 1\n") and program.endswith(
+        "assert f() == 1\n")
