@@ -60,5 +60,5 @@ def bench_workload(data: list[str], eval_path: Path) -> str | FileWorkload:
         for record in (tasks.get(name) or {}).get("records", {}).values():
             workload.lengths[f"{Path(path).stem}/{record['id']}"] = max(record["baseline"]["tokens"], 1)
     if workload.lengths:
-        workload.measured_on = "baseline (eval step's greedy answers)"
+        workload.sources["baseline greedy answers of the eval step"] = len(workload.lengths)
     return workload

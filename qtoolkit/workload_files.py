@@ -30,7 +30,8 @@ class FileWorkload:
     paths: tuple[str, ...]
     lengths: dict[str, int] = field(default_factory=dict)  # measured answer tokens per item ("STEM/ID")
     measure: Callable[[list[BenchRequest]], list[int]] | None = field(default=None, repr=False)
-    measured_on: str | None = None
+    measured_on: str | None = None  # the server `measure` asks
+    sources: dict[str, int] = field(default_factory=dict)  # where the lengths came from: items per source
 
     def __post_init__(self) -> None:
         for p in self.paths:  # validate every line before any server starts (a bad line exits 2)
@@ -41,7 +42,7 @@ class FileWorkload:
 
     def describe(self) -> dict[str, Any]:
         return {"files": [{"path": p, "sha256": file_sha256(p)} for p in self.paths],
-                "answer_lengths": {"measured_items": len(self.lengths), "measured_on": self.measured_on}}
+                "answer_lengths": {"measured_items": len(self.lengths), "sources": dict(self.sources)}}
 
     def requests(self, n: int, *, seed: int, max_output_tokens: int) -> list[BenchRequest]:
         """n requests drawn from the files' lines (each file sampled by a seeded hash of ids, then shuffled)."""
@@ -64,6 +65,7 @@ class FileWorkload:
                 raise QToolError("workload lines without max_tokens need measured answer lengths: attach a "
                                  "reference server (attach_length_probe) before building requests")
             self.lengths.update(zip([r.item for r in todo], self.measure(todo), strict=True))
+            self.sources[str(self.measured_on)] = self.sources.get(str(self.measured_on), 0) + len(todo)
         return [r if r.max_tokens else replace(r, max_tokens=self.lengths[r.item]) for r in reqs]
 
 

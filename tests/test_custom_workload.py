@@ -210,7 +210,7 @@ def test_bench_serve_replays_the_file_with_measured_lengths(tiny_model_dir, tmp_
         report = bench_serve(endpoint=url, concurrency=[1, 2], num_requests=3, workload=parse_workload(str(f)),
                              max_output_tokens=5)
     lengths = report["config"]["workload"]["answer_lengths"]
-    assert lengths == {"measured_items": 2, "measured_on": "endpoint"}
+    assert lengths == {"measured_items": 2, "sources": {"endpoint": 2}}
     for tier in report["tiers"]:
         r = tier["results"]["endpoint"]
         assert r["completed"] == 3 and r["failed"] == 0
@@ -266,3 +266,18 @@ def test_chat_answers_give_their_first_python_fence_to_the_tests():
     program = checking_program(completion, "    return 1\n")
     assert program.startswith("completion = '    return 1\\n'\ndef f():\n    return 1\n") and program.endswith(
         "assert f() == 1\n")
+
+
+def test_signoff_bench_replays_the_baseline_answer_lengths_of_the_eval_step(tmp_path):
+    from qtoolkit.custom_signoff import bench_workload
+
+    f = write_jsonl(tmp_path / "w.jsonl", [{"id": "a", "prompt": "A"}, {"id": "b", "prompt": "B", "max_tokens": 9},
+                                           {"id": "c", "messages": [{"role": "user", "content": "C"}]}])
+    records = {i: {"id": i, "baseline": {"tokens": t}} for i, t in (("a", 5), ("c", 0))}
+    (tmp_path / "eval.json").write_text(json.dumps({"tasks": {"custom:w": {"records": records}}}))
+    workload = bench_workload([str(f)], tmp_path / "eval.json")
+    reqs = workload.requests(6, seed=0, max_output_tokens=32)  # no server attached: every length is known
+    assert {r.item: r.max_tokens for r in reqs} == {"w/a": 5, "w/b": 9, "w/c": 1}
+    assert {r.kind for r in reqs} == {"completion", "chat"} and all(r.messages for r in reqs if r.kind == "chat")
+    assert workload.describe()["answer_lengths"]["sources"] == {"baseline greedy answers of the eval step": 2}
+    assert bench_workload([], tmp_path / "eval.json") == "mixed"
