@@ -26,12 +26,19 @@ def program(problem: dict[str, Any], completion: str) -> list[str]:
     return [f"{problem['prompt']}{completion}\n", problem["test"], f"check({problem['entry_point']})\n"]
 
 
+def run_checked(source: str | list[str], limits: Limits = DEFAULT_LIMITS,
+                isolation: Isolation | None = None) -> dict[str, Any]:
+    """Run a program that checks a completion in the sandbox; the one place a pass is read from its result.
+    `isolation` defaults to the required one (raises SandboxUnavailable where bubblewrap cannot run)."""
+    isolation = isolation or require()
+    r = run_program(source, limits, mode=isolation.mode)
+    return {"passed": r.passed, "status": r.status, "error": "" if r.passed else r.stderr[-300:]}
+
+
 def execute(problem: dict[str, Any], completion: str, limits: Limits = DEFAULT_LIMITS,
             isolation: Isolation | None = None) -> dict[str, Any]:
     """Score one completion; `isolation` defaults to the required one (raises SandboxUnavailable if missing)."""
-    isolation = isolation or require()
-    r = run_program(program(problem, completion), limits, mode=isolation.mode)
-    return {"passed": r.passed, "status": r.status, "error": "" if r.passed else r.stderr[-300:]}
+    return run_checked(program(problem, completion), limits, isolation)
 
 
 class CodeTask:

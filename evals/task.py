@@ -49,6 +49,10 @@ def make_task(name: str, **options: Any) -> Task:
         from .perplexity import PerplexityTask
 
         return PerplexityTask(**options)
+    if name.startswith("custom:"):
+        from .custom import make_custom_task
+
+        return make_custom_task(name, **options)
     raise TaskError(f"unknown task {name!r}: choose from {', '.join(TASK_NAMES)}")
 
 
@@ -57,6 +61,10 @@ def parse_tasks(spec: str) -> list[str]:
     if not names:
         raise TaskError(f"no task in {spec!r}: choose from {', '.join(TASK_NAMES)}")
     for n in names:
+        if n == "custom":
+            raise TaskError("--task custom needs a workload file: pass --data FILE.jsonl (one task per file)")
+        if n.startswith("custom:") and len(n) > 7:
+            continue  # a workload file's task: make_task finds its file (evals/custom.py)
         if n not in TASK_NAMES:
             raise TaskError(f"unknown task {n!r}: choose from {', '.join(TASK_NAMES)}")
     return list(dict.fromkeys(names))

@@ -72,7 +72,7 @@ def fresh_requests(workload: str, n: int, used: list[Any], *, seed: int, mean_ou
 
 def bench_ablation(baseline: str | Path, candidate: str | Path, *, concurrency: list[int],
                    num_requests: int | None = None, mean_output_tokens: int = 48, max_output_tokens: int = 96,
-                   workload: str = "mixed", speculative: str | None = None, seed: int = 0,
+                   workload: Any = "mixed", speculative: str | None = None, seed: int = 0,
                    kv_cache_memory: str = "1GiB", rounds: int = 1,
                    repeat: tuple[str, ...] = ("baseline_static", "full_stack")) -> dict[str, Any]:
     """Every system on the same requests, tier by tier, alternating the order between tiers.
@@ -82,13 +82,12 @@ def bench_ablation(baseline: str | Path, candidate: str | Path, *, concurrency: 
     spread of the per-round ratios, i.e. how much a rerun could move them."""
     from .bench import requests_per_tier, run_load, served_models, summarize
     from .server.process import server_process
+    from .workload_files import attach_length_probe, describe_workload
     from .workloads import build_workload
 
     systems = BASE_SYSTEMS + speculative_systems(speculative)
     models = {"baseline": str(baseline), "candidate": str(candidate)}
     sizes = [requests_per_tier(c, num_requests) for c in concurrency]
-    requests = build_workload(workload, sum(sizes), seed=seed, mean_output_tokens=mean_output_tokens,
-                              max_output_tokens=max_output_tokens)
     tiers = []
     with contextlib.ExitStack() as stack:
         urls: dict[str, tuple[str, str]] = {}
@@ -100,6 +99,10 @@ def bench_ablation(baseline: str | Path, candidate: str | Path, *, concurrency: 
             warm = build_workload("code", 2, seed=seed + 1, mean_output_tokens=4, max_output_tokens=8)
             asyncio.run(run_load(url, served, warm, concurrency=2))
             urls[name] = (url, served)
+        # a workload file's lines without max_tokens: the baseline's answer lengths (workload_files.py)
+        attach_length_probe(workload, *urls["baseline_static"], name="baseline_static")
+        requests = build_workload(workload, sum(sizes), seed=seed, mean_output_tokens=mean_output_tokens,
+                                  max_output_tokens=max_output_tokens)
         offset = 0
         for t, (c, n) in enumerate(zip(concurrency, sizes, strict=True)):
             reqs = requests[offset:offset + n]
@@ -131,7 +134,7 @@ def bench_ablation(baseline: str | Path, candidate: str | Path, *, concurrency: 
     rounds_hash = text_sha256(json.dumps([[r.prompt, r.max_tokens] for r in round_requests]))
     return {**provenance(baseline=models["baseline"], candidate=models["candidate"], workload_sha256=workload_hash,
                          rounds_workload_sha256=rounds_hash),
-            "config": {"concurrency": concurrency, "workload": workload, "speculative": speculative,
+            "config": {"concurrency": concurrency, "workload": describe_workload(workload), "speculative": speculative,
                        "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens,
                        "seed": seed, "systems": [s[0] for s in systems], "rounds": rounds},
             "tiers": tiers}

@@ -46,7 +46,9 @@ def request_body(model: str, req: BenchRequest, *, api: str, ignore_eos: bool) -
                             "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True  # an extension (ours and vLLM's): lengths stay as drawn
-    if api == "chat":
+    if req.messages is not None:  # a workload file's chat line
+        body["messages"] = list(req.messages)
+    elif api == "chat":
         body["messages"] = [{"role": "user", "content": req.prompt}]
     else:
         body["prompt"] = req.prompt
@@ -129,7 +131,7 @@ async def run_load(base_url: str, model: str, requests: list[BenchRequest], *, c
 
     Returns per-request results and the wall time from the first send to the last completion.
     """
-    url = f"{base_url}/v1/{'chat/completions' if api == 'chat' else 'completions'}"
+    urls = {kind: f"{base_url}/v1/{kind}" for kind in ("completions", "chat/completions")}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     offsets = arrival_offsets(len(requests), rate, seed=seed)
     slots = asyncio.Semaphore(concurrency)
@@ -141,7 +143,9 @@ async def run_load(base_url: str, model: str, requests: list[BenchRequest], *, c
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             async with slots:
                 body = request_body(model, req, api=api, ignore_eos=ignore_eos)
-                return await stream_request(client, url, body, req.index)
+                chat = api == "chat" or req.messages is not None
+                return await stream_request(client, urls["chat/completions" if chat else "completions"], body,
+                                            req.index)
 
         results = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets, strict=True)))
         duration = time.perf_counter() - start
@@ -223,7 +227,9 @@ def hf_generate_tier(model: Any, tokenizer: Any, requests: list[BenchRequest], b
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
         batch = requests[i:i + batch_size]
-        enc = tokenizer([r.prompt for r in batch], return_tensors="pt", padding=True)
+        prompts = [r.prompt if r.messages is None else tokenizer.apply_chat_template(
+            list(r.messages), tokenize=False, add_generation_prompt=True) for r in batch]
+        enc = tokenizer(prompts, return_tensors="pt", padding=True)
         config.max_new_tokens = max(r.max_tokens for r in batch)
         with torch.inference_mode():
             out = model.generate(**enc, generation_config=config)
@@ -311,7 +317,7 @@ def _speculative_curve(tiers: list[dict[str, Any]]) -> dict[str, list[dict[str, 
 
 
 def bench_serve(model: str = "default", *, endpoint: str | None = None, concurrency: list[int] | None = None,
-                batching: list[str] | None = None, workload: str = "mixed", rate: float | None = None,
+                batching: list[str] | None = None, workload: Any = "mixed", rate: float | None = None,
                 num_requests: int | None = None, compare_hf: bool = False, seed: int = 0,
                 mean_output_tokens: int = 64, max_output_tokens: int = 128, api: str = "completions",
                 ignore_eos: bool = True, api_key: str | None = None, kv_cache_memory: str = "1GiB",
@@ -325,6 +331,7 @@ def bench_serve(model: str = "default", *, endpoint: str | None = None, concurre
     from .progress import status
     from .provenance import provenance, text_sha256
     from .spec_ceiling import scrape_speculative, tier_delta
+    from .workload_files import attach_length_probe, describe_workload
     from .workloads import build_workload
 
     concurrency = concurrency or [1, 4, 16, 32]
@@ -336,8 +343,6 @@ def bench_serve(model: str = "default", *, endpoint: str | None = None, concurre
     if not endpoint and max(concurrency) > max_num_seqs:
         raise QToolError(f"concurrency {max(concurrency)} exceeds --max-num-seqs {max_num_seqs}: raise it")
     sizes = [requests_per_tier(c, num_requests) for c in concurrency]
-    all_requests = build_workload(workload, sum(sizes), seed=seed, mean_output_tokens=mean_output_tokens,
-                                  max_output_tokens=max_output_tokens)
     source = None
     if not endpoint:
         from .sources import resolve_model
@@ -373,13 +378,17 @@ def bench_serve(model: str = "default", *, endpoint: str | None = None, concurre
         for url in systems.values():  # first steps pay one-off costs; keep them out of the figures
             warm = build_workload("code", 2, seed=seed + 1, mean_output_tokens=4, max_output_tokens=8)
             asyncio.run(run_load(url, model, warm, concurrency=2, api=api, ignore_eos=ignore_eos, api_key=api_key))
+        first = next(iter(systems))  # a workload file's lines without max_tokens: their answer length here
+        attach_length_probe(workload, systems[first], model, name=first, api_key=api_key)
+        all_requests = build_workload(workload, sum(sizes), seed=seed, mean_output_tokens=mean_output_tokens,
+                                      max_output_tokens=max_output_tokens)
         hf = load_hf(source.path, dtype) if compare_hf else None
         if hf is not None:
             hf_generate_tier(*hf, build_workload("code", 1, seed=seed + 1, mean_output_tokens=4,
                                                  max_output_tokens=8), 1)
 
         config = {"model": model, "endpoint": endpoint, "systems": list(systems) + (["hf"] if hf else []),
-                  "concurrency": concurrency, "workload": workload, "rate_qps": rate, "seed": seed,
+                  "concurrency": concurrency, "workload": describe_workload(workload), "rate_qps": rate, "seed": seed,
                   "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens, "api": api,
                   "ignore_eos": ignore_eos, "kv_cache_memory": kv_cache_memory, "max_num_seqs": max_num_seqs,
                   "dtype": dtype, "speculative": speculative or [],

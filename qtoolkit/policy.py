@@ -42,7 +42,16 @@ _TOKEN_METRICS = {
     "ppl_ratio": Metric(("text_stats", "ppl_ratio"), "high", doc="perplexity ratio candidate / baseline"),
     "same_top1": Metric(("text_stats", "same_top1"), "low", doc="share of tokens with the same top-1"),
 }
-METRICS: dict[str, dict[str, Metric]] = {
+class _Metrics(dict):
+    """Task name -> its metrics; every workload file's task (custom:NAME) has the `custom` metrics."""
+
+    def __missing__(self, task: str) -> dict[str, Metric]:
+        if task.startswith("custom:"):
+            return self["custom"]
+        raise KeyError(task)
+
+
+METRICS: dict[str, dict[str, Metric]] = _Metrics({
     "code": {
         **_TOKEN_METRICS,
         "pass_at_1_drop": Metric(("pass@1",), "low", -1.0, "HumanEval pass@1 baseline - candidate"),
@@ -55,7 +64,15 @@ METRICS: dict[str, dict[str, Metric]] = {
         "rougeL_drop": Metric(("rougeL",), "low", -1.0, "ROUGE-L baseline - candidate"),
         "nll_delta": Metric(("nll_reference",), "high", doc="NLL of reference summaries, nats/token"),
     },
-}
+    "custom": {  # a workload file (--data); teacher-forced figures are on the baseline's own answers
+        **_TOKEN_METRICS,
+        "nll_delta": Metric(("nll_answer",), "high", doc="NLL of the baseline's answers, nats/token"),
+        "rougeL_drop": Metric(("rougeL",), "low", -1.0, "ROUGE-L vs `reference` baseline - candidate"),
+        "pass_at_1_drop": Metric(("pass@1",), "low", -1.0, "pass@1 under the lines' `tests` baseline - candidate"),
+        "greedy_agreement": Metric(("greedy_agreement", "rate"), "point", doc="greedy answers equal"),
+        "answer_tokens_delta": Metric(("answer_tokens",), "point", doc="answer length candidate - baseline"),
+    },
+})
 
 
 class Bound(BaseModel):

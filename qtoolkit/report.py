@@ -234,6 +234,7 @@ def markdown(report: dict[str, Any]) -> str:
                     lines.append(f"| {k} | {_fmt(ts[k]['mean_pm'][0])} ± {_fmt(ts[k]['mean_pm'][1], 2)} | | | "
                                  f"[{_fmt(ci[0])}, {_fmt(ci[1])}] |")
             lines.append("")
+    lines += custom_regression_lines(report.get("eval") or {})
     q = report.get("quantize")
     if q:
         t = q["totals"]
@@ -249,6 +250,35 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["## Provenance", "", "```json", json.dumps({k: report[k] for k in ("inputs", "versions", "machine")},
                                                         indent=2), "```", ""]
     return "\n".join(lines)
+
+
+def custom_regression_lines(evals: dict[str, Any]) -> list[str]:
+    """Per workload file (custom:NAME): the items whose answers changed most, so a reader sees which prompts."""
+    def cell(text: Any) -> str:
+        return " ".join(str(text).split()).replace("|", "¦")[:80] or "-"
+
+    lines: list[str] = []
+    for task, e in evals.items():
+        worst = (e.get("summary") or {}).get("worst_items")
+        if not task.startswith("custom:") or worst is None:
+            continue
+        lines += [f"## Worst regressions: {task}", "",
+                  f"Items whose greedy answer changed, worst first (a lost test pass, then the ROUGE-L drop, then "
+                  f"the mean KLD on the baseline's answer); {len(worst)} shown.", ""]
+        if not worst:
+            lines += ["No item's answer changed.", ""]
+            continue
+        lines += ["| line | id | kind | prompt | tests (cand/base) | ROUGE-L drop | mean KLD | NLL delta | "
+                  "tokens (cand/base) | candidate answer | baseline answer |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for x in worst:
+            p = x.get("passed")
+            passed = "-" if p is None else "/".join("pass" if p[k] else "fail" for k in ("candidate", "baseline"))
+            lines.append(f"| {x['line']} | {cell(x['id'])} | {x['kind']} | {cell(x['prompt'])} | {passed} | "
+                         f"{_fmt(x['rougeL_drop'])} | {_fmt(x['kld_mean'])} | {_fmt(x['nll_delta'])} | "
+                         f"{x['tokens']['candidate']}/{x['tokens']['baseline']} | {cell(x['candidate'])} | "
+                         f"{cell(x['baseline'])} |")
+        lines.append("")
+    return lines
 
 
 _MD = MarkdownIt("commonmark", {"html": False}).enable("table")

@@ -15,8 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import custom_signoff
 from . import gates as verdicts
 from .errors import QToolError
+from .evals.custom import custom_tasks
 from .io import lock_output, read_results_json, write_json
 from .policy import METRICS, Policy, load_policy, metric_node, read_metric
 from .progress import status
@@ -53,6 +55,7 @@ class SignoffConfig:
     baseline: str | None = None
     candidate_model_id: str | None = None
     baseline_model_id: str | None = None
+    data: list[str] = field(default_factory=list)  # workload files: custom:STEM tasks and the bench's traffic
 
 
 @dataclass
@@ -183,6 +186,7 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     if cfg.max_items is not None and cfg.max_items < cfg.limit:
         raise QToolError(f"--max-items ({cfg.max_items}) must be at least --limit ({cfg.limit})")
     policy = load_policy(cfg.policy)  # a bad policy is bad input: exit 2 before any work
+    custom_signoff.check_policy(policy, cfg.data)
     if ("code" in policy.tasks or not policy.tasks) and not cfg.rejudge:
         from qtoolkit.evals.sandbox import require
 
@@ -195,7 +199,8 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     steps = StepRunner(out)
     ckpt = out / "checkpoint"
-    tasks = ",".join(policy.tasks) or "code,summarization"
+    tasks = custom_signoff.eval_tasks(policy, cfg.data)
+    data = custom_signoff.data_inputs(cfg.data)
     results: dict[str, dict[str, Any]] = {}
 
     def do_quantize() -> None:
@@ -210,7 +215,7 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     cand_key = f"{source.sha256}:{quant['recipe']['sha256']}" if quant else None
 
     eval_inputs = {"candidate": cand_key, "baseline": source.sha256, "tasks": tasks, "limit": cfg.limit,
-                   "endpoint": cfg.endpoint, "seed": cfg.seed}
+                   "endpoint": cfg.endpoint, "seed": cfg.seed, **({"data": data} if data else {})}
     if cfg.max_items and cfg.max_items > cfg.limit:  # how many items get drawn depends on the quality bounds
         eval_inputs |= {"max_items": cfg.max_items, "quality_bounds": policy.model_dump()["tasks"]}
 
@@ -222,11 +227,13 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
             # further look reuses the items of the looks before it
             evaluate(EvalConfig(model=str(ckpt), baseline=str(source.path), tasks=",".join(only) if only else tasks,
                                 output=str(out / "eval.json"), limit=items, endpoint=cfg.endpoint, seed=cfg.seed,
-                                overwrite=overwrite, task_options={"allow_weak_sandbox": cfg.allow_weak_sandbox}))
+                                overwrite=overwrite, task_options={"allow_weak_sandbox": cfg.allow_weak_sandbox,
+                                              "custom_data": custom_tasks(cfg.data)}))
 
         def judge() -> tuple[list[str], list[str]]:
-            quality = [g for g in evaluate_gates(policy, _load(out / "eval.json"), None, None)
-                       if g.name.split(".")[0] in policy.tasks]
+            evals = _load(out / "eval.json")
+            judged = custom_signoff.gate_policy(policy, evals, cfg.data)
+            quality = [g for g in evaluate_gates(judged, evals, None, None) if g.name.split(".")[0] in judged.tasks]
             undecided = (verdicts.INCONCLUSIVE, verdicts.NO_EVIDENCE)
             return ([g.name for g in quality if g.required and g.verdict in undecided],
                     [g.name for g in quality if g.verdict == verdicts.FAIL])
@@ -247,7 +254,8 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
             write_json(out / "bench.json", bench_ablation(
                 source.path, ckpt, concurrency=cfg.concurrency, num_requests=cfg.num_requests,
                 mean_output_tokens=cfg.mean_output_tokens, speculative=cfg.speculative, seed=cfg.seed,
-                rounds=cfg.rounds, repeat=tuple(repeat)))
+                rounds=cfg.rounds, repeat=tuple(repeat),
+                workload=custom_signoff.bench_workload(cfg.data, out / "eval.json")))
 
         from .ablation import BASE_SYSTEMS
 
@@ -257,7 +265,7 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
                                                "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed,
                                                "speculative": cfg.speculative, "rounds": cfg.rounds,
                                                "quantization_gate": policy.throughput.min_quantization_speedup
-                                               is not None},
+                                               is not None, **({"data": data} if data else {})},
                                      out / "bench.json", do_bench)
     else:
         for name in ("eval", "bench"):
@@ -295,7 +303,7 @@ def _decide(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: d
     evals = _load(out / "eval.json") if results.get("eval", {}).get("status") == "ok" else None
     bench = _load(out / "bench.json") if results.get("bench", {}).get("status") == "ok" else None
     ablation = ablation_table(bench) if bench else None
-    gates = evaluate_gates(policy, evals, ablation, quant)
+    gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, ablation, quant)
     failed_steps = [n for n in STEPS if results.get(n, {}).get("status") != "ok"]
     verdict = verdicts.FAIL if failed_steps else verdicts.overall([(g.verdict, g.required) for g in gates])
     reasons = [f"step {n} failed: {results[n].get('error')}" for n in failed_steps]

@@ -10,11 +10,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import DataError
 from .evals.data import aclsum_items, humaneval_problems
+
+if TYPE_CHECKING:
+    from .workload_files import FileWorkload
 
 WORKLOADS = ("code", "summarization", "mixed")
 # Code completions run longer than one-sentence summaries; the mixed workload averages to the requested mean.
@@ -28,9 +32,11 @@ SUMMARY_INSTRUCTION = "Summarize the outcome of the following paper abstract in 
 @dataclass(frozen=True)
 class BenchRequest:
     index: int
-    kind: str  # "code" | "summarization"
-    prompt: str
+    kind: str  # "code" | "summarization" | a workload file's "completion" | "chat"
+    prompt: str  # a chat request's messages as JSON (its identity; the messages are sent as they are)
     max_tokens: int
+    messages: tuple[dict[str, str], ...] | None = None  # a chat request, sent to /v1/chat/completions
+    item: str | None = None  # a workload file's item, "STEM/ID"
 
 
 @cache
@@ -53,9 +59,11 @@ def output_lengths(kind: str, n: int, rng: np.random.Generator, mean_tokens: int
     return [int(min(max(round(x), _MIN_OUTPUT_TOKENS), max_tokens)) for x in draws]
 
 
-def build_workload(name: str, num_requests: int, *, seed: int = 0, mean_output_tokens: int = 64,
+def build_workload(name: str | FileWorkload, num_requests: int, *, seed: int = 0, mean_output_tokens: int = 64,
                    max_output_tokens: int = 256) -> list[BenchRequest]:
     """`num_requests` requests of the named workload; the same seed gives the same prompts and lengths."""
+    if not isinstance(name, str):  # a user's workload file (workload_files.py)
+        return name.requests(num_requests, seed=seed, max_output_tokens=max_output_tokens)
     if name not in WORKLOADS:
         raise DataError(f"unknown workload {name!r}: choose one of {', '.join(WORKLOADS)}")
     if num_requests <= 0 or mean_output_tokens <= 0 or max_output_tokens < _MIN_OUTPUT_TOKENS:

@@ -11,7 +11,7 @@ from qtoolkit.signoff import evaluate_gates
 
 def test_default_policy_loads_and_names_known_metrics():
     p = load_policy("default")
-    assert set(p.tasks) == {"code", "summarization"}
+    assert set(p.tasks) == {"code", "summarization", "custom"}
     for task, gates in p.tasks.items():
         assert set(gates) <= set(METRICS[task])
 

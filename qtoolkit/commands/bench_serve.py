@@ -51,8 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "per value)")
     p.add_argument("--batching", type=_modes, default=["continuous"],
                    help="static, continuous, or static,continuous to measure both (and their ratio) in one run")
-    p.add_argument("--workload", choices=["code", "summarization", "mixed"], default="mixed",
-                   help="prompt set: HumanEval prompts, ACLSum documents, or both")
+    p.add_argument("--workload", default="mixed",
+                   help="code, summarization, mixed, or your own workload file(s) FILE.jsonl[,FILE2.jsonl] "
+                        "(prompt or messages per line; max_tokens per line, else the answer length measured on "
+                        "the first system)")
     p.add_argument("--request-rate", "--rate", dest="rate", type=float, default=None,
                    help="Poisson arrival rate in requests/s (vLLM's --request-rate; default: all at once, inf)")
     p.add_argument("--num-prompts", "--num-requests", dest="num_requests", type=int, default=None,
@@ -106,10 +108,13 @@ def run(args: argparse.Namespace) -> int:
     api = args.api or ROUTES[route]
     if args.speculative and endpoint:
         raise QToolError("--speculative starts our own servers: drop --base-url (or start that server with it)")
+    from ..workload_files import parse_workload
+
+    workload = parse_workload(args.workload)
     signal.signal(signal.SIGTERM, _interrupt)
     lock = lock_output(args.output)  # two benches into one file would overwrite each other's tiers
     report = bench_serve(args.model, endpoint=endpoint, concurrency=args.concurrency, batching=args.batching,
-                         workload=args.workload, rate=args.rate, num_requests=args.num_requests,
+                         workload=workload, rate=args.rate, num_requests=args.num_requests,
                          compare_hf=args.compare == "hf", seed=args.seed, mean_output_tokens=args.mean_output_tokens,
                          max_output_tokens=args.max_output_tokens, api=api, ignore_eos=args.ignore_eos,
                          api_key=args.api_key or Deployment("endpoint").api_key(), kv_cache_memory=args.kv_cache_memory,

@@ -24,8 +24,12 @@ examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="candidate model source (default, HF folder, .gguf, quantized checkpoint)")
     p.add_argument("--baseline", help="baseline model source (usually the unquantized model)")
-    p.add_argument("--task", "--tasks", dest="task", default="code,summarization,perplexity",
-                   help="comma-separated: code, summarization, perplexity (with --harness lm-eval: lm-eval task names)")
+    p.add_argument("--task", "--tasks", dest="task", default=None,
+                   help="comma-separated: code, summarization, perplexity, custom (with --harness lm-eval: lm-eval "
+                        "task names; default code,summarization,perplexity, or custom with --data)")
+    p.add_argument("--data", action="append", default=[], metavar="FILE.jsonl",
+                   help="custom: your own workload file (prompt or messages per line, optional reference, tests, "
+                        "max_tokens, id); repeatable, each file is task custom:FILE-STEM")
     p.add_argument("--limit", type=int, help="items per task (default: a few minutes per task on a 2-core CPU)")
     p.add_argument("--backend", choices=["engine", "hf"], default="engine",
                    help="in-process model runner: qtoolkit's engine (default) or plain transformers")
@@ -73,35 +77,29 @@ def run(args: argparse.Namespace) -> int:
         if args.base_url or args.endpoint or args.baseline_base_url or args.baseline_endpoint:
             raise QToolError("--harness lm-eval runs the models in-process: drop --base-url/--endpoint (or use "
                              "qtool-lm-eval with lm-eval's local-completions model)")
-        run_lm_eval(args.model, args.task, args.output, limit=args.limit, backend=args.backend, seed=args.seed,
-                    num_fewshot=args.num_fewshot, baseline=args.baseline, log_samples=args.log_samples)
+        run_lm_eval(args.model, args.task or "code,summarization,perplexity", args.output, limit=args.limit,
+                    backend=args.backend, seed=args.seed, num_fewshot=args.num_fewshot, baseline=args.baseline,
+                    log_samples=args.log_samples)
         status(f"results -> {args.output}")
         return 0
-    from qtoolkit.evals.runner import EvalConfig, evaluate, summary_lines
-
-    options = {"samples": args.samples, "temperature": args.temperature,
-               "allow_weak_sandbox": args.allow_weak_sandbox}
-    if args.max_tokens is not None:
-        options["max_tokens"] = args.max_tokens
-    cfg = EvalConfig(model=args.model, baseline=args.baseline, tasks=args.task, output=args.output,
-                     limit=args.limit, backend=args.backend, endpoint=args.endpoint,
-                     baseline_endpoint=args.baseline_endpoint, seed=args.seed, overwrite=args.overwrite,
-                     task_options=options, model_id=args.candidate_model_id, baseline_model_id=args.baseline_model_id)
     if args.num_fewshot is not None or args.log_samples:
         raise QToolError("--num_fewshot and --log_samples are lm-eval options: add --harness lm-eval (qtoolkit's "
                          "tasks are zero-shot and always keep per-item records)")
+    from qtoolkit.evals.custom import custom_tasks, expand_task_spec
+    from qtoolkit.evals.runner import EvalConfig, evaluate, summary_lines
 
     endpoint, _ = resolve_server(args.base_url, args.endpoint, ROUTES)
     baseline_endpoint, _ = resolve_server(args.baseline_base_url, args.baseline_endpoint, ROUTES,
                                           flag="--baseline-endpoint")
-
-    options = {"samples": args.samples, "temperature": args.temperature}
+    tasks = expand_task_spec(args.task or ("custom" if args.data else "code,summarization,perplexity"), args.data)
+    options = {"samples": args.samples, "temperature": args.temperature,
+               "allow_weak_sandbox": args.allow_weak_sandbox, "custom_data": custom_tasks(args.data)}
     if args.max_tokens is not None:
         options["max_tokens"] = args.max_tokens
-    cfg = EvalConfig(model=args.model, baseline=args.baseline, tasks=args.task, output=args.output,
+    cfg = EvalConfig(model=args.model, baseline=args.baseline, tasks=tasks, output=args.output,
                      limit=args.limit, backend=args.backend, endpoint=endpoint,
                      baseline_endpoint=baseline_endpoint, seed=args.seed, overwrite=args.overwrite,
-                     task_options=options)
+                     task_options=options, model_id=args.candidate_model_id, baseline_model_id=args.baseline_model_id)
     results = evaluate(cfg)
     for line in summary_lines(results):
         print(line)

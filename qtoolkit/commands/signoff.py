@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rejudge", action="store_true",
                    help="decide again from the step outputs already in --output (e.g. under another --policy); "
                         "runs no step")
+    p.add_argument("--data", action="append", default=[], metavar="FILE.jsonl",
+                   help="your own workload file (repeatable): its task custom:FILE-STEM joins the gates (policy "
+                        "section `custom`) and the report, and the benchmark replays its request mix")
     p.add_argument("--output", required=True, help="report folder (reruns reuse finished steps)")
 
 
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             speculative=None if deployed or args.speculative.lower() == "none" else args.speculative,
             candidate_endpoint=args.candidate_endpoint, baseline_endpoint=args.baseline_endpoint,
             baseline=args.baseline, candidate_model_id=args.candidate_model_id,
-            baseline_model_id=args.baseline_model_id))
+            baseline_model_id=args.baseline_model_id, data=args.data))
     print(f"verdict: {report['verdict']}")
     for reason in report["reasons"]:
         print(f"  - {reason}")
