@@ -19,7 +19,7 @@ from .llama import DecoderLayer, LlamaModel, ModelConfig
 from .moe import SparseMoE
 from .quant_linear import DenseLinear
 
-# Why "auto" means float32 for dense weights on this CPU (MEASUREMENTS.md, AVX2 without native bf16):
+# Why "auto" means float32 for dense weights on this CPU (AVX2 without native bf16; measured in an early session whose file was not kept):
 # bf16 matmuls collapse at batch >= 8 (fp32 190 vs bf16 92 tok/s at batch 32) and a serving engine lives at
 # batch >= 8; fp32 also reproduces transformers' greedy output token for token. bf16 wins only at batch 1
 # (55 vs 18 tok/s): ask for it with dtype="bfloat16" for single-stream latency.

@@ -5,7 +5,7 @@ E(k) / ((1 + k * v) * (1 + k * r)), where E(k) = (1 - a^(k+1)) / (1 - a) is the 
 step emits given the sequence's per-token acceptance a (a moving estimate); v is what each extra verified token
 adds to a plain decode step's time and r the cost of one draft step relative to the verification forward. Both
 are measured by the engine as it runs: r is about 0 for prompt lookup and large for a draft model not much
-cheaper than the target; v starts at 0.125 (MEASUREMENTS.md: fp32 verification of 4 drafts costs 1.50x a
+cheaper than the target; v starts at 0.125 (measured in an early session: fp32 verification of 4 drafts costs 1.50x a
 1-token step) and rises when other load makes the CPU compute-bound (3.5x for 5 tokens was seen under a load
 average of ~8 on this 2-core machine, where speculation then stops paying). When no k reaches a speedup of `min_gain` the sequence decodes
 plainly for a few steps and then probes again with k = 1 (which also refreshes a and r).
@@ -20,13 +20,13 @@ forward's cost grows with the total number of tokens in the step, so proposals a
 holds at most `max_verify_tokens` tokens. Past that the batch itself keeps the matmuls busy and speculating
 would cost more target compute than the accepted tokens save.
 
-Default 8, from the fp32 cost curve of this CPU (MEASUREMENTS.md, plain-torch decoder): a step of 1 token
+Default 8, from the fp32 cost curve of this CPU (an early session's plain-torch decoder): a step of 1 token
 costs 55 ms, 5 tokens (4-token verification) 1.50x that, 8 tokens 1.55x, 32 tokens 3.05x. Up to ~8 tokens a
 step is bound by streaming the weights, so drafts ride along nearly free; past it cost grows with tokens and a
 draft token must be accepted with probability above ~0.7 (plus the draft model's own cost) to pay for itself.
-With prompt-lookup acceptance of 0.3-0.5 on chat prompts (MEASUREMENTS.md) that is a loss, so at 8 or more
+With prompt-lookup acceptance of 0.3-0.5 on chat prompts (measurements/2026-11-30/bench-serve-speculative-*.json) that is a loss, so at 8 or more
 running sequences speculation is off and the engine decodes exactly as without it. A re-measurement of the curve
-on the shared machine (load average ~10 on 2 cores, /work/shared/spec-measurements/verify_cost.log) gave step times of 1-8 s with
+on the shared machine (load average ~10 on 2 cores) gave step times of 1-8 s with
 no ordering between 1 and 9 tokens, i.e. noise: the setting stays tunable (`max_verify_tokens`) for a quiet box.
 """
 
