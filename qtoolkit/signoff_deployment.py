@@ -14,8 +14,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from qtoolkit.evals.custom import custom_tasks
 from qtoolkit.evals.runner import EvalConfig, evaluate
 
+from . import custom_signoff
 from . import gates as verdicts
 from .deployment import Deployment, EndpointInfo, endpoint, probe
 from .deployment_bench import bench_deployments, throughput_table
@@ -92,7 +94,8 @@ def signoff_deployments(cfg: SignoffConfig) -> dict[str, Any]:
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     steps = StepRunner(out)
-    tasks = ",".join(policy.tasks) or "code,summarization"
+    custom_signoff.check_policy(policy, cfg.data)
+    tasks = custom_signoff.eval_tasks(policy, cfg.data)
     served = {role: {"url": i.url, "model_id": i.model_id, "version": i.version, "server": i.server}
               for role, i in infos.items()}
     results: dict[str, dict[str, Any]] = {}
@@ -105,7 +108,8 @@ def signoff_deployments(cfg: SignoffConfig) -> dict[str, Any]:
     results["eval"] = steps.run("eval", eval_inputs, out / "eval.json", lambda: evaluate(EvalConfig(
         model=cfg.model, baseline=deps["baseline"].local, tasks=tasks, output=str(out / "eval.json"),
         limit=cfg.limit, endpoint=infos["candidate"].url, baseline_endpoint=infos["baseline"].url, seed=cfg.seed,
-        overwrite=not resume, model_id=infos["candidate"].model_id, baseline_model_id=infos["baseline"].model_id)))
+        overwrite=not resume, model_id=infos["candidate"].model_id, baseline_model_id=infos["baseline"].model_id,
+        task_options={"allow_weak_sandbox": cfg.allow_weak_sandbox, "custom_data": custom_tasks(cfg.data)})))
     bench_kw = {"concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
                 "mean_output_tokens": cfg.mean_output_tokens, "max_output_tokens": 2 * cfg.mean_output_tokens,
                 "seed": cfg.seed, "rounds": cfg.rounds}
@@ -114,7 +118,7 @@ def signoff_deployments(cfg: SignoffConfig) -> dict[str, Any]:
     evals = _load(out / "eval.json") if results["eval"]["status"] == "ok" else None
     bench = _load(out / "bench.json") if results["bench"]["status"] == "ok" else None
     table = throughput_table(bench) if bench else None
-    gates = evaluate_gates(policy, evals, table, quant)
+    gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, table, quant)
     for g in gates:
         if why := _unmeasurable_gate(g, evals, quant):
             g.state, g.detail = NOT_MEASURABLE, f"not measurable on this deployment: {why}"

@@ -263,9 +263,9 @@ def test_chat_answers_give_their_first_python_fence_to_the_tests():
     assert answer_code(chat, "```py\ndef f():\n    return 1") == "def f():\n    return 1"  # cut off at max_tokens
     assert answer_code(chat, "def f(): return 1") == "def f(): return 1"
     completion = WorkloadItem(prompt="def f():\n", tests="assert f() == 1")
-    program = checking_program(completion, "    return 1\n")
-    assert program.startswith("completion = '    return 1\\n'\ndef f():\n    return 1\n") and program.endswith(
-        "assert f() == 1\n")
+    # parts run in one namespace: the answer cannot swallow the tests (an unclosed string is its own part's error)
+    assert checking_program(completion, "    return 1\n") == ["completion = '    return 1\\n'\n",
+                                                          "def f():\n    return 1\n\n", "assert f() == 1\n"]
 
 
 def test_signoff_bench_replays_the_baseline_answer_lengths_of_the_eval_step(tmp_path):

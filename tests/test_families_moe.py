@@ -39,8 +39,8 @@ def family_config(family: str, tok, **kw):
         return Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, head_dim=32,
                               **{"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False,
                                  "mlp_only_layers": [1], **kw})
-    return MixtralConfig(**common, intermediate_size=64, sliding_window=None,
-                         **{"num_local_experts": 4, "num_experts_per_tok": 2, **kw})
+    return MixtralConfig(**common, intermediate_size=64,
+                         **{"sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2, **kw})
 
 
 def build_family(folder: Path, tokenizer_dir: Path, family: str, scale: float = 10.0, **kw) -> Path:
@@ -310,8 +310,7 @@ def test_unsupported_family_is_refused_with_the_list(family, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name, window", [("mixtral", {"sliding_window": 16}),
-                                          ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 16,
-                                                         "max_window_layers": 1})])
+                                          ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 16})])
 def test_windowed_moe_matches_transformers_past_the_window(name, window, tmp_path, tokenizer_dir):
     """The MoE families' sliding windows run in the engine (the windowed attention of the dense families)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

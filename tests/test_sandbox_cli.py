@@ -25,8 +25,11 @@ from test_sandbox import SPAWN, _alive
 pytestmark = pytest.mark.skipif(not isolation()["bubblewrap"], reason=f"no bubblewrap: {isolation()['missing']}")
 
 # Runs the CLI like the `qtool` script and reports the evaluator's own peak RSS (KiB) on stderr's last line.
-_WRAP = ("import resource, sys\nfrom qtoolkit.cli import main\nrc = main(sys.argv[1:])\n"
-         "print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\nsys.exit(rc)\n")
+# VmHWM is this process's own peak (a fresh address space after exec); ru_maxrss would carry over the peak of
+# the forking pytest process, which grows to gigabytes over the whole suite
+_WRAP = ("import sys\nfrom qtoolkit.cli import main\nrc = main(sys.argv[1:])\n"
+         "hwm = next(x for x in open('/proc/self/status') if x.startswith('VmHWM:')).split()[1]\n"
+         "print('maxrss', hwm, file=sys.stderr)\nsys.exit(rc)\n")
 
 
 class Listener:

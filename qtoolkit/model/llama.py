@@ -140,7 +140,7 @@ def layer_types_and_window(model_type: str, cfg: dict[str, Any]) -> tuple[list[s
         window = None
     types = cfg.get("layer_types")
     if types is None:
-        if model_type in ("mistral", "mixtral"):  # one window on every layer
+        if model_type in ("mistral", "mixtral", "qwen3_moe"):  # one window on every layer (no max_window_layers)
             types = [SLIDING] * n
         elif model_type == "gemma3_text":
             pattern = cfg.get("sliding_window_pattern", 6)
