@@ -6,6 +6,7 @@ Run: python3 measurements/2026-12-01/families-bar.py  (from the repository root;
 """
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -63,7 +64,10 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(tok_dir)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
+        only = os.environ.get("FAMILIES")  # e.g. FAMILIES=qwen2,mixtral
         for name, cfg in configs(tok).items():
+            if only and name not in only.split(","):
+                continue
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(cfg).float().eval()
             with torch.no_grad():
@@ -74,11 +78,14 @@ def main() -> None:
             model.save_pretrained(folder)
             tok.save_pretrained(folder)
             row = {"model_type": cfg.model_type}
+            # the reference encodes and decodes with the tokenizer `qtool` reads from the folder: saved beside a
+            # qwen2 config it loads as Qwen2Tokenizer, whose ids differ from the source tokenizer's
+            folder_tok = AutoTokenizer.from_pretrained(folder)
             for label, prompt in (("short", SHORT), ("long", LONG)):
-                ids = tok(prompt, return_tensors="pt").input_ids
+                ids = folder_tok(prompt, return_tensors="pt").input_ids
                 with torch.no_grad():
                     ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)[0, ids.shape[1]:]
-                want = tok.decode(ref, skip_special_tokens=True)
+                want = folder_tok.decode(ref, skip_special_tokens=True)
                 r = qtool("generate", "--model", str(folder), "--prompt", prompt, "--temperature", "0",
                           "--max-tokens", str(NEW))
                 row[f"{label}_prompt_tokens"] = ids.shape[1]
@@ -92,7 +99,7 @@ def main() -> None:
             row["int4_generate_rc"] = None if g is None else g.returncode
             rows[name] = row
             print(name, json.dumps(row), flush=True)
-    out = Path(__file__).with_name("families-bar.json")
+    out = Path(__file__).with_name("families-bar.json" if not only else f"families-bar-{only.replace(',', '-')}.json")
     out.write_text(json.dumps({"command": "python3 measurements/2026-12-01/families-bar.py", "families": rows},
                               indent=2) + "\n")
 
