@@ -242,9 +242,10 @@ def test_signoff_with_data_on_the_default_model(tmp_path):
     out = tmp_path / "run"
     rc = main(["signoff", "--model", "default", "--recipe", "int4-rtn", "--policy", str(policy), "--data",
                str(EXAMPLE), "--limit", "4", "--concurrency", "1,2", "--num-requests", "2", "--rounds", "2",
-               "--speculative", "none", "--output", str(out)])
+               "--speculative", "none", "--max-items", "4", "--output", str(out)])
     report = json.loads((out / "report.json").read_text())
-    assert rc in (0, 1) and all(s["status"] == "ok" for s in report["steps"].values()), report["steps"]
+    # one look of 4 items: the custom gates may be undecided (INCONCLUSIVE, exit 3) but every step runs
+    assert rc in (0, 1, 3) and all(s["status"] == "ok" for s in report["steps"].values()), report["steps"]
     names = {g["name"] for g in report["gates"]}
     assert {"custom:example-workload.kld_mean", "custom:example-workload.rougeL_drop",
             "custom:example-workload.pass_at_1_drop"} <= names
