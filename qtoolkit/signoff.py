@@ -280,15 +280,20 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     results["diagnose"] = steps.run("diagnose", {"model": source.sha256, "batches": cfg.diagnose_batches},
                                     out / "diagnose.json", do_diagnose)
 
-    return _decide(cfg, policy, {"name": recipe.name, "sha256": recipe.sha256}, source.describe(), out, results,
-                   quant)
+    try:
+        return _decide(cfg, policy, {"name": recipe.name, "sha256": recipe.sha256}, source.describe(), out, results,
+                       quant)
+    finally:
+        steps.lock.release()  # the folder is free again for the next run in this process
 
 
 def _rejudge(cfg: SignoffConfig, policy: Policy, out: Path) -> dict[str, Any]:
     """Decide again from the step outputs already in `out` (e.g. under another policy); runs nothing."""
     if not (out / "steps.json").is_file():
         raise QToolError(f"{out} holds no sign-off steps (steps.json) to judge again: run `qtool signoff` first")
-    state = StepRunner(out).state
+    runner = StepRunner(out)
+    state = runner.state
+    runner.lock.release()  # judging again writes only the reports
     results = {n: state.get(n) or {"status": "error", "error": "never ran"} for n in STEPS}
     quant = _load(out / "checkpoint" / "quantize_report.json") if results["quantize"]["status"] == "ok" else None
     recipe = (quant or {}).get("recipe") or {"name": cfg.recipe, "sha256": None}

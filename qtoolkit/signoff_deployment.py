@@ -123,7 +123,10 @@ def signoff_deployments(cfg: SignoffConfig) -> dict[str, Any]:
         if why := _unmeasurable_gate(g, evals, quant):
             g.state, g.detail = NOT_MEASURABLE, f"not measurable on this deployment: {why}"
             g.passed, g.verdict = False, verdicts.INCONCLUSIVE
-    return _decide_and_write(cfg, policy, infos, results, gates, evals, table, quant)
+    try:
+        return _decide_and_write(cfg, policy, infos, results, gates, evals, table, quant)
+    finally:
+        steps.lock.release()  # the folder is free again for the next run in this process
 
 
 def _load(path: Path) -> dict[str, Any] | None:
