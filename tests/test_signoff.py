@@ -73,14 +73,16 @@ def test_fresh_rerun_reproduces_verdict_and_quality_figures(run_dir, tiny_model_
 
 def test_failing_policy_gate_gives_fail_and_names_it(run_dir, tiny_model_dir, tmp_path, capsys):
     strict = tmp_path / "strict.yaml"
-    strict.write_text("version: 1\nname: strict\ntasks:\n  code:\n    kld_mean: {max: 0.0}\n")
+    # kld_p99 is judged on its point (no interval), so a bound of 0 fails on any quantization error at all;
+    # a mean's interval over two items still straddles 0 and would be INCONCLUSIVE, not FAIL
+    strict.write_text("version: 1\nname: strict\ntasks:\n  code:\n    kld_p99: {max: 0.0}\n")
     out = tmp_path / "copy"
     shutil.copytree(run_dir, out)  # same inputs: every step is reused, only the gates change
     code = main(["signoff", "--model", str(tiny_model_dir), "--recipe", "int4-rtn", "--policy", str(strict), *ARGS,
                  "--output", str(out)])
     assert code == 1
     report = json.loads((out / "report.json").read_text())
-    assert report["verdict"] == "FAIL" and any("code.kld_mean" in r for r in report["reasons"])
+    assert report["verdict"] == "FAIL" and any("code.kld_p99" in r for r in report["reasons"])
 
 
 def test_inconclusive_gate_draws_more_items(run_dir, tiny_model_dir, tmp_path, capsys):
