@@ -1,0 +1,79 @@
+"""Throughput before and after the session-6 restructuring (#19), in one run, interleaved.
+
+Two source trees (a git worktree of the commit before, and the tree after) run the same commands one after the
+other, alternating which goes first, over repeated rounds:
+  - `qtool bench decode` (batch-1 greedy decode tok/s, the default fp32 model and the INT4 checkpoint);
+  - `qtool bench serve` at concurrency 1 and 16 (output tok/s, mixed workload).
+The ratio after / before of each round's figures is written with the median and min/max over rounds.
+
+    python measurements/2026-12-01/refactor-throughput.py --before /work/wt/before --after /work/main \
+        --int4 /work/runs/int4-rtn --rounds 3 --output measurements/2026-12-01/refactor-throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def _run(tree: str, args: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        env = {**os.environ, "QTOOLKIT_SRC": tree, "QTOOLKIT_QUIET": "1"}
+        subprocess.run(["qtool", *args, "--output", str(out)], check=True, env=env)
+        return json.loads(out.read_text())
+
+
+def _decode(tree: str, models: list[str]) -> dict[str, float]:
+    args = ["bench", "decode", "--tokens", "128", "--rounds", "1"]
+    for m in models:
+        args += ["--model", m]
+    data = _run(tree, args)
+    return {name: s["decode_tok_per_s"] for name, s in data["systems"].items()}
+
+
+def _serve(tree: str) -> dict[str, float]:
+    data = _run(tree, ["bench", "serve", "--model", "default", "--max-concurrency", "1,16", "--num-prompts", "16",
+                       "--workload", "mixed", "--seed", "0"])
+    figures = {}
+    for tier in data["tiers"]:
+        for name, system in tier["results"].items():
+            figures[f"serve c={tier['concurrency']} {name}"] = system["output_tok_per_s"]
+    return figures
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--before", required=True)
+    p.add_argument("--after", required=True)
+    p.add_argument("--int4", required=True)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--output", required=True)
+    a = p.parse_args()
+    trees = {"before": a.before, "after": a.after}
+    samples: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
+    for r in range(a.rounds):
+        order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
+        for which in order:
+            figures = {**_decode(trees[which], ["default", a.int4]), **_serve(trees[which])}
+            for k, v in figures.items():
+                samples[which].setdefault(k, []).append(v)
+            print(r, which, {k: round(v, 1) for k, v in figures.items()}, flush=True)
+    ratios = {}
+    for k in samples["after"]:
+        per_round = [x / y for x, y in zip(samples["after"][k], samples["before"][k], strict=True)]
+        ratios[k] = {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round),
+                     "per_round": per_round, "before": samples["before"][k], "after": samples["after"][k]}
+    Path(a.output).write_text(json.dumps({"rounds": a.rounds, "trees": trees, "after_over_before": ratios},
+                                         indent=1))
+    for k, v in ratios.items():
+        print(f"{k}: after/before median {v['median']:.3f} (min {v['min']:.3f}, max {v['max']:.3f})")
+
+
+if __name__ == "__main__":
+    main()
