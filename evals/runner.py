@@ -11,11 +11,14 @@ from typing import Any
 
 from qtoolkit.errors import QToolError
 from qtoolkit.progress import bar, status
+from qtoolkit.sources import resolve_model
 
-from .backend import Backend, make_backend
+from .backend import Backend
+from .backends import make_backend
+from .registry import make_task, parse_tasks
 from .results import ResultsFile
 from .stats import CONFIDENCE, N_RESAMPLES
-from .task import check_same_vocabulary, make_task, parse_tasks
+from .task import check_same_vocabulary
 
 
 @dataclass
@@ -39,8 +42,6 @@ def model_identity(spec: str | None, endpoint: str | None, backend: str) -> dict
     """What makes two runs comparable: the weights' hash (or the endpoint) and the backend."""
     if endpoint:
         return {"endpoint": endpoint, "tokenizer": spec}
-    from qtoolkit.sources import resolve_model
-
     src = resolve_model(spec) if spec is not None else None
     return {"backend": backend, "spec": spec, "sha256": src.sha256 if src else None}
 
