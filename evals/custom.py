@@ -26,6 +26,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from rouge_score import rouge_scorer
+
 from qtoolkit.errors import DataError
 
 from .backend import Backend, GenParams
@@ -63,8 +65,6 @@ class CustomTask:
 
     def __init__(self, path: str | Path, max_tokens: int = 128, seed: int = 0, timeout_s: float = 10.0,
                  allow_weak_sandbox: bool = False, **_: Any):
-        from rouge_score import rouge_scorer
-
         self.path = Path(path)
         self.name = task_name(self.path)
         self.max_tokens, self.seed = max_tokens, seed

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rouge_score import rouge_scorer
+
 from .backend import Backend, GenParams
 from .data import ASPECTS, aclsum_items
 from .stats import paired_delta, token_stats
@@ -42,8 +44,6 @@ class SummarizationTask:
     batch_size = 8
 
     def __init__(self, max_tokens: int = 96, seed: int = 0, split: str = "test", **_: Any):
-        from rouge_score import rouge_scorer
-
         self.max_tokens, self.seed, self.split = max_tokens, seed, split
         self.scorer = rouge_scorer.RougeScorer(list(ROUGE), use_stemmer=True)
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qtoolkit.model.quant_linear import DenseLinear, make_linear
+
 from . import scheme as S
 from .reference import quantize_weight
 
@@ -73,8 +75,6 @@ class _AtenInt4:
 
 
 def default_paths() -> list[Path]:
-    from qtoolkit.model.quant_linear import DenseLinear, make_linear
-
     def quant(group: dict):
         return lambda w: make_linear(quantize_weight(w, group), group)
 

@@ -13,8 +13,12 @@ from typing import Any
 
 import torch
 
+from .batching_ceiling import batching_ceiling, step_time_curve
+from .engine import Engine, SamplingParams
+from .engine.model_runner import kv_bytes_per_block
 from .progress import bar, status
 from .provenance import provenance
+from .workloads import build_workload
 
 
 def _median_time(fn, repeat: int) -> float:
@@ -68,8 +72,6 @@ def model_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 
 def _timed_generate(engine, prompts: list[list[int]], max_tokens: int) -> float:
-    from .engine import SamplingParams
-
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     t = time.perf_counter()
     engine.generate(prompts, params, use_tqdm=False)
@@ -155,9 +157,6 @@ def continuous_batching_ceiling(decode: list[dict[str, Any]], workload: str = "m
                                 max_output_tokens: int = 128, waves: int = 8) -> dict[str, Any]:
     """Upper bound of continuous / static output tok/s per measured batch size, for `qtool bench serve`'s
     default workload (its lengths replayed on the measured step times; see batching_ceiling)."""
-    from .batching_ceiling import batching_ceiling, step_time_curve
-    from .workloads import build_workload
-
     step = step_time_curve([(r["batch"], r["ms_per_step"] / 1000) for r in decode])
     rows = []
     for c in sorted({r["batch"] for r in decode if r["batch"] > 1}):
@@ -171,9 +170,6 @@ def continuous_batching_ceiling(decode: list[dict[str, Any]], workload: str = "m
 def diagnose(model: str = "default", *, kv_cache_memory: str = "1GiB", dtype: str = "auto",
              batches: tuple[int, ...] = (1, 4, 16, 32), prompt_lengths: tuple[int, ...] = (64, 256, 1024),
              context: int = 1024, new_tokens: int = 32) -> dict[str, Any]:
-    from .engine import Engine
-    from .engine.model_runner import kv_bytes_per_block
-
     status("measuring memory bandwidth and GEMM throughput")
     bandwidth = measure_bandwidth()
     gflops = measure_gemm_flops()

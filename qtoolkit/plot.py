@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from matplotlib.figure import Figure
+
 from .errors import DataError
 from .report import _png, plot_kld
 
@@ -44,9 +46,8 @@ def plot_eval_deltas(data: dict[str, Any]) -> str | None:
     rows = _deltas(data)
     if not rows:
         return None
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(rows), 1, figsize=(6.5, 0.75 * len(rows) + 0.6), squeeze=False)
+    fig = Figure(figsize=(6.5, 0.75 * len(rows) + 0.6))
+    axes = fig.subplots(len(rows), 1, squeeze=False)
     for ax, (name, delta, (lo, hi)) in zip(axes[:, 0], rows, strict=True):
         err = [[delta - lo], [hi - delta]] if lo is not None and hi is not None else None
         ax.errorbar([delta], [0], xerr=err, fmt="o", color="tab:blue", capsize=4)
@@ -62,8 +63,6 @@ def plot_bench(data: dict[str, Any]) -> dict[str, str | None]:
     tiers = data.get("tiers") or []
     if not tiers:
         return {}
-    import matplotlib.pyplot as plt
-
     plots: dict[str, str | None] = {}
     for key, label, title in (("output_tok_per_s", "output tokens/s", "Throughput per system"),
                               ("median_ttft_ms", "median TTFT (ms)", "Time to first token per system"),
@@ -75,7 +74,8 @@ def plot_bench(data: dict[str, Any]) -> dict[str, str | None]:
                     series.setdefault(system, []).append((tier["concurrency"], r[key]))
         if not series:
             continue
-        fig, ax = plt.subplots(figsize=(6.5, 3.6))
+        fig = Figure(figsize=(6.5, 3.6))
+        ax = fig.subplots()
         for system, pts in series.items():
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, marker="o", label=system)
@@ -91,9 +91,6 @@ def plot_bench(data: dict[str, Any]) -> dict[str, str | None]:
 
 def plot_file(path: str | Path, output: str | Path | None = None) -> list[Path]:
     """Write the plots of an eval or bench result JSON as PNGs next to it (or into `output`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     path = Path(path)
     try:
         data = json.loads(path.read_text())

@@ -84,7 +84,7 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    try:
+    try:  # torch only for a GPU's name: a load generator writes provenance without paying torch's import
         import torch
 
         if torch.cuda.is_available():

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import numpy as np
 from markdown_it import MarkdownIt
 from markupsafe import Markup
+from matplotlib.figure import Figure
 
 from .io import write_json
 from .report_deployment import deployment_lines
@@ -45,12 +47,10 @@ def _fmt(v: Any, digits: int = 4) -> str:
 
 
 # ---- plots ---------------------------------------------------------------------------------------------------
-def _png(fig) -> str:
+def _png(fig: Figure) -> str:
+    """A figure as base64 PNG; figures are built without pyplot, so no GUI backend and no global state."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode()
 
 
@@ -58,9 +58,8 @@ def plot_throughput(report: dict[str, Any]) -> str | None:
     ab = report.get("ablation")
     if not ab or not ab["tiers"]:
         return None
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    fig = Figure(figsize=(6.5, 3.6))
+    ax = fig.subplots()
     series: dict[str, list[tuple[int, float]]] = {}
     for tier in ab["tiers"]:
         for step in tier["steps"]:
@@ -81,9 +80,8 @@ def plot_quality(report: dict[str, Any]) -> str | None:
     gates = [g for g in report["gates"] if g["name"].split(".")[0] in ("code", "summarization")]
     if not gates:
         return None
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(gates), 1, figsize=(6.5, 0.75 * len(gates) + 0.6), squeeze=False)
+    fig = Figure(figsize=(6.5, 0.75 * len(gates) + 0.6))
+    axes = fig.subplots(len(gates), 1, squeeze=False)
     bounds = report["policy"]["tasks"]
     for ax, g in zip(axes[:, 0], gates, strict=True):
         task, metric = g["name"].split(".", 1)
@@ -106,10 +104,8 @@ def plot_quality(report: dict[str, Any]) -> str | None:
 def plot_kld(eval_records: dict[str, list[float]]) -> str | None:
     if not eval_records:
         return None
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    fig = Figure(figsize=(6.5, 3.2))
+    ax = fig.subplots()
     for task, values in eval_records.items():
         v = np.clip(np.asarray(values), 1e-6, None)
         ax.hist(v, bins=np.logspace(-6, 1.5, 50), alpha=0.55, label=f"{task} ({v.size} tokens)")
@@ -125,12 +121,11 @@ def plot_memory(report: dict[str, Any]) -> str | None:
     q = report.get("quantize")
     if not q:
         return None
-    import matplotlib.pyplot as plt
-
     t = q["totals"]
     labels = ["source (fp32)", "bf16", f"{q['recipe']['name']}"]
     values = [t["linear_source_bytes"] / 2**20, t["linear_bf16_bytes"] / 2**20, t["linear_quantized_bytes"] / 2**20]
-    fig, ax = plt.subplots(figsize=(6.5, 2.6))
+    fig = Figure(figsize=(6.5, 2.6))
+    ax = fig.subplots()
     bars = ax.barh(labels, values, color=["tab:gray", "tab:blue", "tab:green"])
     ax.bar_label(bars, fmt="%.1f MiB", fontsize=8)
     ax.set_xlabel("Linear-layer weight bytes (MiB)")
@@ -142,9 +137,8 @@ def plot_roofline(report: dict[str, Any]) -> str | None:
     d = report.get("diagnose")
     if not d:
         return None
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    fig = Figure(figsize=(6.5, 3.4))
+    ax = fig.subplots()
     batches = [r["batch"] for r in d["decode"]]
     ax.plot(batches, [r["tokens_per_s"] for r in d["decode"]], marker="o", label="decode achieved")
     ax.plot(batches, [d["roofline"][f"batch{b}"]["decode_attainable_tok_s"] for b in batches], linestyle="--",
@@ -317,9 +311,6 @@ def html_report(report: dict[str, Any], md: str, plots: dict[str, str | None]) -
 
 
 def write_reports(folder: Path, report: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
     plots = {"throughput": plot_throughput(report), "quality": plot_quality(report),
              "kld": plot_kld(kld_values(folder)), "memory": plot_memory(report), "roofline": plot_roofline(report)}
     report["plots"] = sorted(k for k, v in plots.items() if v)

@@ -23,11 +23,12 @@ from .deployment import Deployment, EndpointInfo, endpoint, probe
 from .deployment_bench import bench_deployments, throughput_table
 from .errors import QToolError
 from .io import write_json
+from .judge import Gate, evaluate_gates
 from .policy import Policy, load_policy
 from .progress import status
 from .provenance import provenance
 from .report import write_reports
-from .signoff import Gate, SignoffConfig, StepRunner, evaluate_gates
+from .signoff_steps import SignoffConfig, StepRunner
 from .sources import resolve_model
 
 STEPS = ("checkpoint", "eval", "bench")

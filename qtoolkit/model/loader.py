@@ -15,6 +15,7 @@ from torch import nn
 
 from ..errors import ModelSourceError
 from ..sources import ModelSource
+from . import quant_linear
 from .llama import DecoderLayer, LlamaModel, ModelConfig
 from .moe import SparseMoE
 from .quant_linear import DenseLinear
@@ -95,11 +96,6 @@ class LinearFactory:
             if qconfig.get("quant_method", "compressed-tensors") != "compressed-tensors":
                 raise ModelSourceError(f"quantization method {qconfig.get('quant_method')!r} is not supported: "
                                        "use a compressed-tensors checkpoint made by `qtool quantize`")
-            try:
-                from . import quant_linear
-            except ImportError as e:
-                raise ModelSourceError(f"this build cannot run quantized checkpoints ({e}): install a qtoolkit "
-                                       "with qtoolkit/model/quant_linear.py") from None
             self.quant_linear = quant_linear
 
     def has(self, name: str) -> bool:
