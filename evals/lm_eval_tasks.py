@@ -12,7 +12,7 @@ from typing import Any
 import datasets
 from qtoolkit.evals.code import execute
 from qtoolkit.evals.data import ASPECTS, aclsum_items, humaneval_problems
-from qtoolkit.evals.summarization import user_message
+from qtoolkit.evals.prompts import user_message
 from rouge_score import rouge_scorer
 
 

@@ -173,7 +173,9 @@ class TaskSummary:
     def from_json(cls, node: dict[str, Any] | None) -> TaskSummary:
         out: dict[str, Any] = {}
         for k, v in (node or {}).items():
-            out[k] = TextStats.from_json(v) if k == "text_stats" and isinstance(v, dict) else _typed(v)
+            # text_stats, or one per text set (the perplexity task)
+            stats = isinstance(v, dict) and (k == "text_stats" or {"items", "tokens"} <= set(v))
+            out[k] = TextStats.from_json(v) if stats else _typed(v)
         return cls(out)
 
     def to_json(self) -> dict[str, Any]:
@@ -193,6 +195,27 @@ class TaskSummary:
         v = self.entries.get("text_stats")
         return v if isinstance(v, TextStats) else None
 
+    def text_sets(self) -> dict[str, TextStats]:
+        """Every block of token statistics: `text_stats`, or one per text set (the perplexity task)."""
+        return {k: v for k, v in self.entries.items() if isinstance(v, TextStats)}
+
     def get(self, key: str, default: Any = None) -> Any:
         """A non-figure entry as JSON (isolation, worst_items, not_computed)."""
         return self.entries.get(key, default)
+
+
+@dataclass(frozen=True)
+class RoundsRatio:
+    """A throughput ratio over repeated rounds (stats.ratio_over_rounds): the geometric mean of the paired
+    per-round ratios and its t-interval over rounds."""
+
+    ratio: float
+    ci: Interval
+    rounds: int
+    per_round: list[float]
+
+    @classmethod
+    def from_json(cls, node: dict[str, Any] | None) -> RoundsRatio | None:
+        if not node:
+            return None
+        return cls(node["ratio"], Interval.from_json(node), node["rounds"], list(node.get("per_round") or []))

@@ -12,6 +12,7 @@ from typing import Any
 
 from datasets import Dataset
 from qtoolkit.evals.data import ASPECTS, aclsum_items, humaneval_problems
+from qtoolkit.evals.prompts import user_message
 
 CODE_HOLDOUT_START = 100
 
@@ -25,7 +26,7 @@ def _summarization_texts(tokenizer: Any) -> list[str]:
     for i, doc in enumerate(aclsum_items("train")):
         aspect = ASPECTS[i % len(ASPECTS)]
         messages = [
-            {"role": "user", "content": f"Summarize the {aspect} of this paper in one sentence.\n\n{doc['abstract']}"},
+            {"role": "user", "content": user_message(doc["abstract"], aspect)},
             {"role": "assistant", "content": doc["summaries"][aspect]},
         ]
         if getattr(tokenizer, "chat_template", None):

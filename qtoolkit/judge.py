@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import gates as verdicts
-from .evals.summary import TaskSummary
+from .evals.summary import RoundsRatio, TaskSummary
 from .policy import METRICS, Policy, metric_figure, read_metric
 
 
@@ -62,13 +62,13 @@ def evaluate_gates(policy: Policy, evals: dict[str, Any] | None, ablation: dict[
             continue
         point = judged = top.get(key)
         how, lo, hi = "", None, None
-        rounds = top.get(f"{key}_rounds")
-        if rounds and rounds.get("ci95"):  # like the quality gates: the CI end worst for the candidate
-            point, judged = rounds["ratio"], rounds["ci95"][0]
-            lo, hi = rounds["ci95"]
-            how = f" (lower 95% bound over {rounds['rounds']} rounds)"
+        rounds = RoundsRatio.from_json(top.get(f"{key}_rounds"))
+        if rounds is not None and rounds.ci.complete:  # like the quality gates: the CI end worst for the candidate
+            lo, hi = rounds.ci.bounds
+            point, judged = rounds.ratio, lo
+            how = f" (lower 95% bound over {rounds.rounds} rounds)"
         j = verdicts.judge_interval(point, lo, hi, max_=None, min_=limit,
-                                    n_text=f", {rounds['rounds']} rounds" if lo is not None else "")
+                                    n_text=f", {rounds.rounds} rounds" if lo is not None else "")
         j.detail += where + how
         gates.append(Gate.of(f"throughput.{attr}", j, point, judged))
     totals = (quant or {}).get("totals", {})

@@ -15,6 +15,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from .errors import DataError
+from .evals.summary import PairedDelta, TaskSummary, figure_from_json
 from .report import _png, plot_kld
 
 
@@ -32,13 +33,13 @@ def eval_kld_values(data: dict[str, Any]) -> dict[str, list[float]]:
 def _deltas(data: dict[str, Any]) -> list[tuple[str, float, list[float | None]]]:
     rows = []
     for task, entry in data.get("tasks", {}).items():
-        summary = entry.get("summary") or {}
-        # perplexity nests its figures per text set: summary[text_set][metric]
-        flat = {f"{k}.{m}": x for k, v in summary.items() if isinstance(v, dict) and "delta" not in v
-                for m, x in v.items()}
-        for metric, v in {**summary, **flat}.items():
-            if isinstance(v, dict) and v.get("delta") is not None:
-                rows.append((f"{task}.{metric}", v["delta"], v.get("ci95") or [None, None]))
+        summary = TaskSummary.from_json(entry.get("summary"))
+        # a figure may sit one level down (summary[group][metric]) in a node of another shape
+        nested = {f"{k}.{m}": figure_from_json(x) for k, v in summary.entries.items() if isinstance(v, dict)
+                  for m, x in v.items()}
+        for metric, d in {**summary.deltas(), **nested}.items():
+            if isinstance(d, PairedDelta) and d.delta is not None:
+                rows.append((f"{task}.{metric}", d.delta, list(d.ci.bounds or (None, None))))
     return rows
 
 

@@ -31,8 +31,6 @@ from .recipe import BnbOptions, Recipe, check_against_model, load_recipe
 from .sources import ModelSource, resolve_model
 
 SMOKE_PROMPT = "Write a Python function that returns the largest number in a list."
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
 
 
 @dataclass

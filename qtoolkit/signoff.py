@@ -107,7 +107,7 @@ class _Run:
         self.results["diagnose"] = self.runner.run(
             "diagnose", {"model": source.sha256, "batches": cfg.diagnose_batches}, out / "diagnose.json",
             lambda: write_json(out / "diagnose.json", diagnose(str(source.path), batches=cfg.diagnose_batches,
-                                                               prompt_lengths=(64, 512))))
+                                                               prompt_lengths=(64, 512)).to_json()))
 
     def eval_step(self, cand_key: str) -> None:
         cfg, policy, out = self.cfg, self.policy, self.out
