@@ -12,13 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from qtoolkit.errors import QToolError
+import torch
+from transformers import AutoTokenizer
 
-BACKENDS = ("engine", "hf")
-
-
-class BackendError(QToolError):
-    """A model backend cannot be built or does not answer."""
+from qtoolkit.errors import BackendError
 
 
 class ScoringUnsupported(BackendError):
@@ -34,7 +31,9 @@ class GenParams:
 
 
 @dataclass
-class Generation:
+class GeneratedText:
+    """One completion a backend generated for one prompt."""
+
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" | "length"
@@ -60,7 +59,7 @@ class Backend(Protocol):
 
     def describe(self) -> dict[str, Any]: ...
 
-    def generate(self, prompts: list[str], params: GenParams) -> list[Generation]: ...
+    def generate(self, prompts: list[str], params: GenParams) -> list[GeneratedText]: ...
 
     def score(self, token_ids: list[list[int]]) -> list[Scored]: ...
 
@@ -73,34 +72,10 @@ def truncate_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
 
 def scored_from_logprobs(logprobs, token_ids: list[int]) -> Scored:
     """Build a Scored from a full [T or T-1, vocab] log-softmax tensor whose row i predicts token i+1."""
-    import torch
-
     lp = logprobs[: len(token_ids) - 1].float()
     targets = torch.tensor(token_ids[1:], dtype=torch.long).view(-1, 1)
     return Scored(target=lp.gather(1, targets).squeeze(1), logprobs=lp, top1=lp.argmax(-1))
 
 
 def load_tokenizer(path):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(path)
-
-
-def make_backend(spec: str | None, *, kind: str = "engine", endpoint: str | None = None,
-                 tokenizer_from: str | None = None, **options: Any) -> Backend:
-    """Build the backend for one side of the comparison (candidate or baseline)."""
-    if endpoint:
-        from .backend_openai import OpenAIBackend
-
-        return OpenAIBackend(endpoint, model_spec=spec, tokenizer_spec=tokenizer_from, **options)
-    if spec is None:
-        raise BackendError("no model given: pass --model/--baseline, or --endpoint/--baseline-endpoint URL")
-    if kind == "hf":
-        from .backend_hf import HFBackend
-
-        return HFBackend(spec, **options)
-    if kind == "engine":
-        from .backend_engine import EngineBackend
-
-        return EngineBackend(spec, **options)
-    raise BackendError(f"unknown backend {kind!r}: use one of {', '.join(BACKENDS)}")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backend import BackendError, Generation, GenParams, Scored, scored_from_logprobs
+from qtoolkit.engine import Engine, SamplingParams
+from qtoolkit.sources import resolve_model
+
+from .backend import GeneratedText, GenParams, Scored, scored_from_logprobs
 
 
 class EngineBackend:
@@ -12,26 +15,18 @@ class EngineBackend:
     full_distributions = True
 
     def __init__(self, spec: str, kv_cache_memory: str = "1GiB", **_: Any):
-        try:
-            from qtoolkit.engine import Engine, SamplingParams
-        except ImportError as e:
-            raise BackendError(f"the qtoolkit engine is not available in this build ({e}): "
-                               "use --backend hf") from None
-        from qtoolkit.sources import resolve_model
-
         self.source = resolve_model(spec)
-        self._sampling = SamplingParams
         self.engine = Engine(str(self.source.path), kv_cache_memory=kv_cache_memory)
         self.tokenizer = self.engine.tokenizer
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, **self.source.describe()}
 
-    def generate(self, prompts: list[str], params: GenParams) -> list[Generation]:
-        sp = self._sampling(max_tokens=params.max_tokens, temperature=params.temperature,
+    def generate(self, prompts: list[str], params: GenParams) -> list[GeneratedText]:
+        sp = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
                             stop=list(params.stop), seed=params.seed)
         outs = self.engine.generate(prompts, sp)
-        return [Generation(o.text, list(o.token_ids), o.finish_reason or "length") for o in outs]
+        return [GeneratedText(o.text, list(o.token_ids), o.finish_reason or "length") for o in outs]
 
     def score(self, token_ids: list[list[int]]) -> list[Scored]:
         rows = self.engine.score(token_ids)

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backend import BackendError, Generation, GenParams, Scored, scored_from_logprobs, truncate_at_stop
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from qtoolkit.sources import resolve_model
+
+from .backend import BackendError, GeneratedText, GenParams, Scored, scored_from_logprobs, truncate_at_stop
 
 
 class HFBackend:
@@ -15,11 +20,6 @@ class HFBackend:
     full_distributions = True
 
     def __init__(self, spec: str, batch_size: int = 8, **_: Any):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from qtoolkit.sources import resolve_model
-
         self.source = resolve_model(spec)
         self.batch_size = batch_size
         try:
@@ -34,10 +34,8 @@ class HFBackend:
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, **self.source.describe()}
 
-    def generate(self, prompts: list[str], params: GenParams) -> list[Generation]:
-        import torch
-
-        out: list[Generation] = []
+    def generate(self, prompts: list[str], params: GenParams) -> list[GeneratedText]:
+        out: list[GeneratedText] = []
         tok = self.tokenizer
         tok.padding_side = "left"  # decoder-only batches pad on the left so every row ends at the prompt
         for start in range(0, len(prompts), self.batch_size):
@@ -58,12 +56,10 @@ class HFBackend:
                 full = tok.decode(ids, skip_special_tokens=True)
                 text, stopped = truncate_at_stop(full, params.stop)
                 done = stopped or len(ids) < len(row) or (ids and ids[-1] == tok.eos_token_id)
-                out.append(Generation(text, ids, "stop" if done else "length"))
+                out.append(GeneratedText(text, ids, "stop" if done else "length"))
         return out
 
     def score(self, token_ids: list[list[int]]) -> list[Scored]:
-        import torch
-
         out = []
         with torch.inference_mode():
             for ids in token_ids:

@@ -8,11 +8,18 @@ exposed, so KL divergence cannot be computed through an endpoint and tasks say s
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from typing import Any
 
-from . import backend
-from .backend import BackendError, Generation, GenParams, Scored, ScoringUnsupported, load_tokenizer
+import httpx
+import torch
+
+from qtoolkit.deployment import endpoint, probe, request
+from qtoolkit.errors import BackendError
+from qtoolkit.sources import resolve_model
+
+from .backend import GeneratedText, GenParams, Scored, ScoringUnsupported, load_tokenizer, truncate_at_stop
 
 
 class RequestRefused(BackendError):
@@ -34,11 +41,6 @@ class OpenAIBackend:
     def __init__(self, url: str, *, model_spec: str | None = None, tokenizer_spec: str | None = None,
                  retries: int = 4, timeout_s: float = 300.0, concurrency: int = 8, role: str = "candidate",
                  model_id: str | None = None, **_: Any):
-        import httpx
-
-        from qtoolkit.deployment import endpoint, probe
-        from qtoolkit.sources import resolve_model
-
         # the key comes from the role's environment variable (see qtoolkit.deployment), never from arguments
         self.deployment = replace(endpoint(role, url, model_id=model_id, timeout_s=timeout_s), retries=retries)
         self.url = self.deployment.url + "/v1"
@@ -58,8 +60,6 @@ class OpenAIBackend:
                 "tokenizer": self.source.describe(), "deployment": asdict(self.info)}
 
     def _request(self, method: str, path: str, payload: dict | None = None) -> dict:
-        from qtoolkit.deployment import request
-
         r = request(self.client, method, self.url + path, json=payload, retries=self.retries,
                     what=f"the {self.deployment.role} endpoint", fix="start the server or fix the endpoint URL")
         if r.status_code >= 400:
@@ -70,10 +70,8 @@ class OpenAIBackend:
     def _complete(self, payload: dict) -> dict:
         return self._request("POST", "/completions", {"model": self.model_id, **payload})
 
-    def generate(self, prompts: list[str], params: GenParams) -> list[Generation]:
-        from concurrent.futures import ThreadPoolExecutor
-
-        def one(prompt: str) -> Generation:
+    def generate(self, prompts: list[str], params: GenParams) -> list[GeneratedText]:
+        def one(prompt: str) -> GeneratedText:
             body = {"prompt": prompt, "max_tokens": params.max_tokens, "temperature": params.temperature}
             if params.stop:
                 body["stop"] = list(params.stop)  # every stop string, as the in-process backends get them
@@ -87,16 +85,14 @@ class OpenAIBackend:
                 body["stop"] = params.stop[:4]  # OpenAI's own API takes at most 4; the rest apply below
                 choice = self._complete(body)["choices"][0]
             # stops also apply here, so the text ends where the other backends' text ends whatever the server did
-            text, cut = backend.truncate_at_stop(choice.get("text", ""), params.stop)
+            text, cut = truncate_at_stop(choice.get("text", ""), params.stop)
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
-            return Generation(text, ids, "stop" if cut else choice.get("finish_reason") or "length")
+            return GeneratedText(text, ids, "stop" if cut else choice.get("finish_reason") or "length")
 
         with ThreadPoolExecutor(self.concurrency) as pool:
             return list(pool.map(one, prompts))
 
     def score(self, token_ids: list[list[int]]) -> list[Scored]:
-        import torch
-
         out = []
         for ids in token_ids:
             try:
@@ -116,8 +112,6 @@ class OpenAIBackend:
 
     def _top1_ids(self, lp: dict, ids: list[int]):
         """Top-1 token id per position from `top_logprobs` (keys are token text, not ids); None if absent."""
-        import torch
-
         top, shown = lp.get("top_logprobs") or [], lp.get("tokens") or []
         if len(top) < len(ids) or not all(top[1:len(ids)]):
             return None

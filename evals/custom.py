@@ -26,13 +26,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from rouge_score import rouge_scorer
+
 from qtoolkit.errors import DataError
 
 from .backend import Backend, GenParams
 from .code import run_checked
 from .custom_summary import summarize_custom
 from .sandbox import Limits, require
-from .task import compare_scored
+from .task import TaskError, compare_scored
 from .workload_file import WorkloadItem, any_tests, file_sha256, render_prompt, sample_items, task_name
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL | re.IGNORECASE)
@@ -63,8 +65,6 @@ class CustomTask:
 
     def __init__(self, path: str | Path, max_tokens: int = 128, seed: int = 0, timeout_s: float = 10.0,
                  allow_weak_sandbox: bool = False, **_: Any):
-        from rouge_score import rouge_scorer
-
         self.path = Path(path)
         self.name = task_name(self.path)
         self.max_tokens, self.seed = max_tokens, seed
@@ -141,8 +141,6 @@ class CustomTask:
 
 def make_custom_task(name: str, custom_data: dict[str, str] | None = None, **options: Any) -> CustomTask:
     """The task of one workload file; `custom_data` maps task names (custom:STEM) to files."""
-    from .task import TaskError
-
     if name == "custom" or name not in (custom_data or {}):
         raise TaskError(f"task {name!r} needs its workload file: pass --data FILE.jsonl (task custom:FILE-STEM)")
     return CustomTask((custom_data or {})[name], **options)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import sys
 
+from .lm_eval_run import TASKS_DIR, go_offline
+
 
 def main(argv: list[str] | None = None) -> int:
-    from .lm_eval_run import TASKS_DIR, go_offline
-
-    go_offline()
+    go_offline()  # lm_eval (an optional dependency) reads the offline switches when imported: set them first
     from lm_eval.__main__ import cli_evaluate
 
     from . import lm_eval_model  # noqa: F401  (registers the `qtoolkit` model)

@@ -12,7 +12,8 @@ from typing import Any
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from .backend import GenParams, make_backend
+from .backend import GenParams
+from .backends import make_backend
 
 SCORE_BATCH = 16  # sequences per score() call: bounds the [T, vocab] tensors held at once
 

@@ -14,6 +14,8 @@ from qtoolkit.errors import QToolError
 from qtoolkit.io import write_json
 from qtoolkit.provenance import provenance
 
+from .lm_eval_paired import paired_results
+
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_EVALUATE_OFFLINE": "1"}
@@ -35,7 +37,7 @@ def run_lm_eval(model: str | None, tasks: str, output: str | os.PathLike, *, lim
 
     With `baseline`, the baseline model runs the same documents and `paired` holds per-metric paired deltas
     with bootstrap CIs (evals/lm_eval_paired.py); `log_samples` keeps lm-eval's per-document samples."""
-    go_offline()
+    go_offline()  # lm_eval (an optional dependency) reads the offline switches when imported: set them first
     from lm_eval.tasks import TaskManager
 
     from . import lm_eval_model  # noqa: F401  (registers the `qtoolkit` model)
@@ -67,8 +69,6 @@ def run_lm_eval(model: str | None, tasks: str, output: str | os.PathLike, *, lim
     if log_samples:
         out["samples"] = results.get("samples", {})
     if baseline is not None:
-        from .lm_eval_paired import paired_results
-
         base = evaluate(baseline)
         out["baseline"] = {"model": baseline, "results": base["results"]}
         if log_samples:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import datasets
+from qtoolkit.evals.code import execute
 from qtoolkit.evals.data import ASPECTS, aclsum_items, humaneval_problems
+from qtoolkit.evals.prompts import user_message
+from rouge_score import rouge_scorer
 
 
 def _dataset(rows: list[dict[str, Any]]):
-    import datasets
-
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
 
@@ -28,8 +30,6 @@ def humaneval_dataset(**_: Any):
 
 def humaneval_pass(doc: dict[str, Any], results: list[str]) -> dict[str, float]:
     """pass@1 of the greedy completion, executed in our sandbox."""
-    from qtoolkit.evals.code import execute
-
     return {"pass@1": float(execute(doc, results[0])["passed"])}
 
 
@@ -51,8 +51,6 @@ def aclsum_documents_dataset(split: str = "test", **_: Any):
 
 
 def aclsum_prompt(doc: dict[str, Any]) -> str:
-    from qtoolkit.evals.summarization import user_message
-
     return user_message(doc["abstract"], doc["aspect"])
 
 
@@ -61,8 +59,6 @@ def aclsum_choice_prompt(doc: dict[str, Any]) -> str:
 
 
 def aclsum_rouge(doc: dict[str, Any], results: list[str]) -> dict[str, float]:
-    from rouge_score import rouge_scorer
-
     scores = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True).score(
         doc["reference"], results[0].strip())
     return {k: v.fmeasure for k, v in scores.items()}

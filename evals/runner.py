@@ -11,11 +11,15 @@ from typing import Any
 
 from qtoolkit.errors import QToolError
 from qtoolkit.progress import bar, status
+from qtoolkit.sources import resolve_model
 
-from .backend import Backend, make_backend
+from .backend import Backend
+from .backends import make_backend
+from .registry import make_task, parse_tasks
 from .results import ResultsFile
 from .stats import CONFIDENCE, N_RESAMPLES
-from .task import check_same_vocabulary, make_task, parse_tasks
+from .summary import PairedDelta, Rate, TaskSummary, TextStats
+from .task import check_same_vocabulary
 
 
 @dataclass
@@ -39,8 +43,6 @@ def model_identity(spec: str | None, endpoint: str | None, backend: str) -> dict
     """What makes two runs comparable: the weights' hash (or the endpoint) and the backend."""
     if endpoint:
         return {"endpoint": endpoint, "tokenizer": spec}
-    from qtoolkit.sources import resolve_model
-
     src = resolve_model(spec) if spec is not None else None
     return {"backend": backend, "spec": spec, "sha256": src.sha256 if src else None}
 
@@ -95,8 +97,8 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
                 store.add(name, task.run_batch(batch, *models.get()))
                 progress.update(len(batch))
         records = [done[it["id"]] for it in items]
-        summary = task.summarize(records, seed=cfg.seed)
-        store.finish(name, summary, [it["id"] for it in items])
+        summary = TaskSummary.from_json(task.summarize(records, seed=cfg.seed))
+        store.finish(name, summary.to_json(), [it["id"] for it in items])
         pair = models.pair
         if pair is not None:
             store.data["models"] = {"candidate": pair[0].describe(), "baseline": pair[1].describe()}
@@ -109,27 +111,28 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     lines = []
     for name, entry in results.get("tasks", {}).items():
         lines.append(f"{name}: {entry.get('items', 0)} items")
-        for metric, v in (entry.get("summary") or {}).items():
-            if isinstance(v, dict) and v.get("delta") is not None:
-                ci = v["ci95"]
-                lines.append(f"  {metric}: candidate {v['candidate']:.4f} baseline {v['baseline']:.4f} "
-                             f"delta {v['delta']:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}]")
-            elif isinstance(v, dict) and "ppl_ratio" in v:
+        for metric, v in TaskSummary.from_json(entry.get("summary")).entries.items():
+            if isinstance(v, PairedDelta) and v.delta is not None:
+                lo, hi = v.ci.bounds or (float("nan"), float("nan"))
+                lines.append(f"  {metric}: candidate {v.candidate:.4f} baseline {v.baseline:.4f} "
+                             f"delta {v.delta:+.4f} [{lo:+.4f}, {hi:+.4f}]")
+            elif isinstance(v, TextStats) and v.figure("ppl_ratio") is not None:
                 lines.append(f"  {metric}: {_token_line(v)}")
-            elif isinstance(v, dict) and "rate" in v:
-                lines.append(f"  {metric}: {v['rate']:.3f}")
+            elif isinstance(v, Rate):
+                lines.append(f"  {metric}: {v.rate:.3f}")
     return lines
 
 
-def _token_line(v: dict[str, Any]) -> str:
-    r = v["ppl_ratio"]
-    parts = [f"PPL ratio {r['mean_pm'][0]:.4f} ± {r['mean_pm'][1]:.4f}"]
-    if "kld" in v:
-        k = v["kld"]
-        parts.append(f"KLD {k['mean_pm'][0]:.5f} ± {k['mean_pm'][1]:.5f} "
-                     f"[CI {k['ci95'][0]:.5f}, {k['ci95'][1]:.5f}], p99 {k['p99']:.4f}")
-    if "same_top1" in v:
-        parts.append(f"same top-1 {v['same_top1']['mean_pm'][0]:.3f}")
-    if v.get("not_computed"):
-        parts.append("not computed: " + "; ".join(v["not_computed"]))
-    return ", ".join(parts) + f" ({v['tokens']} tokens)"
+def _token_line(v: TextStats) -> str:
+    r = v.figure("ppl_ratio")
+    parts = [f"PPL ratio {r.mean:.4f} ± {r.se:.4f}"]
+    k = v.figure("kld")
+    if k is not None:
+        lo, hi = k.ci.bounds or (float("nan"), float("nan"))
+        parts.append(f"KLD {k.mean:.5f} ± {k.se:.5f} [CI {lo:.5f}, {hi:.5f}], p99 {k.extra['p99']:.4f}")
+    top1 = v.figure("same_top1")
+    if top1 is not None:
+        parts.append(f"same top-1 {top1.mean:.3f}")
+    if v.not_computed:
+        parts.append("not computed: " + "; ".join(v.not_computed))
+    return ", ".join(parts) + f" ({v.tokens} tokens)"

@@ -20,6 +20,7 @@ size and open files are rlimits set before bwrap starts, which the program canno
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import shutil
@@ -106,8 +107,6 @@ def weak_setup(workdir: str, limits_setup, layers: dict[str, bool]):
 
 
 def _new_netns() -> None:
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(_CLONE_NEWNET) != 0 and libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET)")

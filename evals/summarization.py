@@ -10,22 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from rouge_score import rouge_scorer
+
 from .backend import Backend, GenParams
 from .data import ASPECTS, aclsum_items
+from .prompts import user_message
 from .stats import paired_delta, token_stats
 from .task import compare_scored, scored_records
 
-QUESTIONS = {
-    "challenge": "What problem or challenge does the paper address?",
-    "approach": "What approach or method does the paper propose?",
-    "outcome": "What is the main outcome or result of the paper?",
-}
 ROUGE = ("rouge1", "rouge2", "rougeL")
-
-
-def user_message(abstract: str, aspect: str) -> str:
-    return (f"Read this abstract of a research paper.\n\n{abstract}\n\n{QUESTIONS[aspect]} "
-            "Answer in one sentence.")
 
 
 def chat_prompt(tokenizer, abstract: str, aspect: str) -> tuple[str, int]:
@@ -42,8 +35,6 @@ class SummarizationTask:
     batch_size = 8
 
     def __init__(self, max_tokens: int = 96, seed: int = 0, split: str = "test", **_: Any):
-        from rouge_score import rouge_scorer
-
         self.max_tokens, self.seed, self.split = max_tokens, seed, split
         self.scorer = rouge_scorer.RougeScorer(list(ROUGE), use_stemmer=True)
 

@@ -1,4 +1,4 @@
-"""What every task is, the task registry, and the teacher-forced comparison shared by all tasks.
+"""What every task is, and the teacher-forced comparison shared by all tasks (evals/registry.py builds them).
 
 A task is a list of items (each with a stable `id`) and a function that turns a batch of items into one
 JSON record per item, given a candidate and a baseline backend. Records are all that is kept: the summary
@@ -31,43 +31,6 @@ class Task(Protocol):
     def summarize(self, records: list[dict[str, Any]], *, seed: int) -> dict[str, Any]: ...
 
     def settings(self) -> dict[str, Any]: ...
-
-
-TASK_NAMES = ("code", "summarization", "perplexity")
-
-
-def make_task(name: str, **options: Any) -> Task:
-    if name == "code":
-        from .code import CodeTask
-
-        return CodeTask(**options)
-    if name == "summarization":
-        from .summarization import SummarizationTask
-
-        return SummarizationTask(**options)
-    if name == "perplexity":
-        from .perplexity import PerplexityTask
-
-        return PerplexityTask(**options)
-    if name.startswith("custom:"):
-        from .custom import make_custom_task
-
-        return make_custom_task(name, **options)
-    raise TaskError(f"unknown task {name!r}: choose from {', '.join(TASK_NAMES)}")
-
-
-def parse_tasks(spec: str) -> list[str]:
-    names = [t.strip() for t in spec.split(",") if t.strip()]
-    if not names:
-        raise TaskError(f"no task in {spec!r}: choose from {', '.join(TASK_NAMES)}")
-    for n in names:
-        if n == "custom":
-            raise TaskError("--task custom needs a workload file: pass --data FILE.jsonl (one task per file)")
-        if n.startswith("custom:") and len(n) > 7:
-            continue  # a workload file's task: make_task finds its file (evals/custom.py)
-        if n not in TASK_NAMES:
-            raise TaskError(f"unknown task {n!r}: choose from {', '.join(TASK_NAMES)}")
-    return list(dict.fromkeys(names))
 
 
 def check_same_vocabulary(candidate: Backend, baseline: Backend) -> None:

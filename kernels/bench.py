@@ -17,8 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qtoolkit.model.quant_linear import DenseLinear, make_linear
+
 from . import scheme as S
 from .reference import quantize_weight
+from .roofline import measure_bandwidth
 
 # Default model (SmolLM2-135M) linears as the engine runs them (q/k/v and gate/up fused), then 7B-class layers.
 MODEL_SHAPES = {"qkv 960x576": (960, 576), "o 576x576": (576, 576), "gate_up 3072x576": (3072, 576),
@@ -34,17 +37,6 @@ class Path:
     act_dtype: torch.dtype = torch.float32
     copies: list = field(default_factory=list)
     bytes_per_call: int = 0
-
-
-def measure_bandwidth(size_mb: int = 512, repeats: int = 5) -> float:
-    """DRAM read bandwidth (GB/s) as torch.sum over a buffer far larger than the cache sees it (best of N)."""
-    buf = torch.ones(size_mb * (1 << 20) // 4)
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t0)
-    return buf.nbytes / best / 1e9
 
 
 def _module_bytes(mod) -> int:
@@ -73,8 +65,6 @@ class _AtenInt4:
 
 
 def default_paths() -> list[Path]:
-    from qtoolkit.model.quant_linear import DenseLinear, make_linear
-
     def quant(group: dict):
         return lambda w: make_linear(quantize_weight(w, group), group)
 

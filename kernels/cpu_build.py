@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch.utils.cpp_extension import load
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,6 @@ def _build(prefix: str, source: Path):
     if not cpu_has_avx2() or not source.exists():
         log.info("qtoolkit CPU kernels unavailable (no AVX2 or source missing); using torch fallback")
         return None
-    from torch.utils.cpp_extension import load
 
     text = source.read_bytes()
     tag = hashlib.sha256(text + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]

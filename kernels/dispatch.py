@@ -1,15 +1,27 @@
 """The one dispatch point of every Linear: CUDA tensors go to Triton, CPU tensors to the fastest CPU path.
 
+Every choice between paths, and every threshold it rests on, lives here; kernels/cpu.py, int4_matmul.py and
+fp8_matmul.py only run the path they are given.
+
 `quant_linear(x, layer)` reads a prepared layer (qtoolkit/model/quant_linear.py builds it):
   kind      "int4" (qweight: checkpoint-packed int32 [N, K/8]), "int8" (qweight: int8 [N, K], any int <= 8 bit
             unpacked once at load), or "fp8" (qweight: float8_e4m3fn [N, K])
   scales    fp32 [N, K/group_size]; zeros: int8 like scales, or empty (symmetric)
   act       None (weight-only) or "int"/"float": dynamic per-token activation quantization (W8A8, FP8_DYNAMIC)
   bias      tensor or None
+  cpu_gemv  the bound AVX2 INT4 GEMV (bind_cpu_gemv), or None
 The output has x's dtype and shape [..., N].
+
+CPU thresholds, measured on an AVX2 EPYC (`qtool bench kernels --threads 1`, weights streamed from DRAM):
+- M <= the GEMV limit: the AVX2 kernels read the packed weight once and dequantize in registers (INT4 M=1 runs
+  at 3.5x dense fp32 on 4096x4096). Above it (prefill, big batches) the GEMV's per-row integer work grows with M,
+  while dequantizing a block of rows into a cache-sized fp32 buffer and running MKL sgemm on it amortizes over
+  the rows (INT4 at M=64 they tie; at M=256 the blocked path wins).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -17,13 +29,57 @@ from . import cpu
 from .cpu_build import engine_ops
 from .reference import quantize_activations
 
+# Largest batch (rows of x) that goes through the register-dequant GEMV kernels; above it blocked dequant + sgemm.
+# INT4 does less integer work per weight than INT8 (two nibbles per byte, one FMA per 32 weights), so its
+# crossover with the blocked path comes later (M ~ 64 vs ~ 24 for INT8 on 4096x4096).
+GEMV_MAX_M = 16
+INT4_GEMV_MAX_M = 32
+# FP8 widens each weight chunk once for 8 rows of x: on 30 x SmolLM2's projections from DRAM its GEMV beats fp32
+# by 1.25x at M = 16 and 1.1x at 24; from 32 rows the blocked path is faster.
+FP8_GEMV_MAX_M = 24
+# Dense fp32 layers: the AVX2 GEMV of cpu_engine_ops.cpp reads each weight row once for all rows of x; on a
+# decoder's worth of fp32 layers streamed from DRAM it beats MKL's W @ x^T up to 16 rows and loses from 32. bf16
+# weights widen in registers and win up to 32 rows (torch's bf16 matmul has no native bf16 compute on AVX2);
+# above that they are widened block by block.
+DENSE_GEMV_MAX_M = 16
+BF16_GEMV_MAX_M = 32
+# Between the GEMV and this many rows, MKL runs W @ x^T faster than x @ W^T (1.1-1.3x at M = 16-32 on N >= 960,
+# K = 576); for prefill-sized M the usual order is faster.
+SGEMM_TRANSPOSED_MAX_M = 64
+# Triton: up to this many rows a step is memory-bound (decode) and takes the small-tile, split-K configs; above
+# it the large square tiles of the compute-bound prefill.
+TRITON_DECODE_MAX_M = 32
+
+
+def bind_cpu_gemv(layer) -> Callable | None:
+    """The AVX2 INT4 GEMV for a layer that can use it, bound once at load: a decode step makes ~120 of these
+    calls, and finding it per call (buffer lookups through nn.Module.__getattr__) costs ~10 us each."""
+    ext = cpu.cpu_kernels()  # looked up through kernels.cpu, where the torch-fallback tests switch it off
+    ok = (ext is not None and layer.kind == "int4" and layer.act is None and not layer.qweight.is_cuda
+          and cpu.int4_fast_ok(layer.in_features, layer.group_size))
+    return ext.int4_matmul if ok else None
+
+
+def cpu_dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 x [M, K] @ weight [N, K]^T (fp32 or bf16 weight, cpu.dense_fast_ok) -> fp32 [M, N]."""
+    m = x.shape[0]
+    if weight.dtype == torch.float32:
+        if m <= DENSE_GEMV_MAX_M:
+            return cpu.dense_gemv(x, weight)
+        if m <= SGEMM_TRANSPOSED_MAX_M:  # W @ x^T blocks better in MKL than x @ W^T for a few dozen rows
+            return torch.mm(weight, x.t()).t().contiguous()
+        return x @ weight.t()
+    if m <= BF16_GEMV_MAX_M:
+        return cpu.dense_gemv(x, weight)
+    return cpu.widened_matmul(x, weight)
+
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Unquantized layers: fp32 activations take the CPU paths of kernels/cpu.py (fp32 or bf16 weights);
-    anything else runs in the weight's dtype through torch. The output has x's dtype."""
+    """Unquantized layers: fp32 activations take the CPU paths (fp32 or bf16 weights); anything else runs in the
+    weight's dtype through torch. The output has x's dtype."""
     if not x.is_cuda and x.dtype == torch.float32 and cpu.dense_fast_ok(weight):
         shape = x.shape
-        y = cpu.dense_linear(x.reshape(-1, shape[-1]), weight)
+        y = cpu_dense(x.reshape(-1, shape[-1]), weight)
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.reshape(*shape[:-1], y.shape[-1])
@@ -46,22 +102,25 @@ def _cpu(x2: torch.Tensor, layer) -> torch.Tensor:
     if layer.act is not None:
         x2 = _fake_quant_tokens(x2, layer.act)
     zeros = layer.zeros if layer.zeros.numel() else None
+    m = x2.shape[0]
     if layer.kind == "int4":
-        return cpu.int4_linear(x2, layer.qweight, layer.scales, zeros, layer.group_size)
+        return cpu.int4_linear(x2, layer.qweight, layer.scales, zeros, layer.group_size, gemv=m <= INT4_GEMV_MAX_M)
     if layer.kind == "int8":
-        return cpu.int8_linear(x2, layer.qweight, layer.scales, zeros, layer.group_size)
-    return cpu.fp8_linear(x2, layer.qweight, layer.scales)
+        return cpu.int8_linear(x2, layer.qweight, layer.scales, zeros, layer.group_size, gemv=m <= GEMV_MAX_M)
+    return cpu.fp8_linear(x2, layer.qweight, layer.scales, gemv=m <= FP8_GEMV_MAX_M)
 
 
 def _cuda(x2: torch.Tensor, layer) -> torch.Tensor:
+    # the Triton kernels import triton, an optional dependency: only when a CUDA tensor arrives
     zeros = layer.zeros if layer.zeros.numel() else None
+    decode = x2.shape[0] <= TRITON_DECODE_MAX_M
     if layer.kind == "fp8":
         from .fp8_matmul import fp8_linear
 
         if layer.act == "float":  # FP8 x FP8 on the tensor cores; activations quantized in torch (see reference)
             xq, xs = quantize_activations(x2, "float")
-            return fp8_linear(xq, layer.qweight, layer.scales, x_scale=xs, out_dtype=x2.dtype)
-        return fp8_linear(x2, layer.qweight, layer.scales, out_dtype=x2.dtype)
+            return fp8_linear(xq, layer.qweight, layer.scales, x_scale=xs, out_dtype=x2.dtype, decode=decode)
+        return fp8_linear(x2, layer.qweight, layer.scales, out_dtype=x2.dtype, decode=decode)
     from .int4_matmul import int_linear, supported
 
     if not supported(layer.in_features, layer.group_size):  # odd group sizes: dequantize, then cuBLAS
@@ -69,10 +128,16 @@ def _cuda(x2: torch.Tensor, layer) -> torch.Tensor:
         return x2 @ w.t()
     if layer.act is not None:
         x2 = _fake_quant_tokens(x2, layer.act).to(x2.dtype)
-    return int_linear(x2, layer.qweight, layer.scales, zeros, layer.group_size, packed=layer.kind == "int4")
+    return int_linear(x2, layer.qweight, layer.scales, zeros, layer.group_size, packed=layer.kind == "int4",
+                      decode=decode)
 
 
 def quant_linear(x: torch.Tensor, layer) -> torch.Tensor:
+    gemv = layer.cpu_gemv  # plain attributes: the decode-step path below stays a few attribute reads
+    if (gemv is not None and x.dim() == 2 and x.shape[0] <= INT4_GEMV_MAX_M and x.dtype == torch.float32
+            and not x.is_cuda):
+        y = gemv(x.contiguous(), *layer.gemv_args)
+        return y if layer.bias is None else y + layer.bias.to(y.dtype)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     y = _cuda(x2, layer) if x.is_cuda else _cpu(x2, layer)

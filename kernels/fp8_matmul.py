@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .int4_matmul import DECODE_CONFIGS, INTERPRET, INTERPRET_CONFIG, PREFILL_CONFIGS, m_bucket
+from .int4_matmul import DECODE_CONFIGS, INTERPRET, PREFILL_CONFIGS, launch, m_bucket, store_tile, tile
 
 
 @triton.jit
@@ -21,11 +21,8 @@ def _fp8_matmul_kernel(x_ptr, w_ptr, ws_ptr, xs_ptr, y_ptr, M, N, K, stride_xm, 
                        ACT_FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_FP32: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr):
-    pid, pid_k = tl.program_id(0), tl.program_id(1)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    offs_m = (pid // grid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (pid % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m, mask_n = offs_m < M, offs_n < N
+    pid_k = tl.program_id(1)
+    offs_m, offs_n, mask_m, mask_n = tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -43,12 +40,7 @@ def _fp8_matmul_kernel(x_ptr, w_ptr, ws_ptr, xs_ptr, y_ptr, M, N, K, stride_xm, 
     acc = acc * tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if ACT_FP8:
         acc = acc * tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    ymask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ymask)
-    else:
-        tl.atomic_add(y_ptrs, acc, mask=ymask)
+    store_tile(y_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, SPLIT_K)
 
 
 _tuned_decode = triton.autotune(DECODE_CONFIGS, key=["M_BUCKET", "N", "K", "ACT_FP8"], reset_to_zero=["y_ptr"])(
@@ -62,8 +54,10 @@ def _native_fp8(device: torch.device) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """y [M, N] = (x * x_scale) @ (w * w_scale)^T. x is FP8 exactly when x_scale (per token, [M] or [M, 1]) is given."""
+               out_dtype: torch.dtype | None = None, decode: bool | None = None) -> torch.Tensor:
+    """y [M, N] = (x * x_scale) @ (w * w_scale)^T. x is FP8 exactly when x_scale (per token, [M] or [M, 1]) is given.
+
+    `decode` picks the decode configs (kernels/dispatch.py decides; None: by its TRITON_DECODE_MAX_M)."""
     m, k = x.shape
     n = w.shape[0]
     act_fp8 = x_scale is not None
@@ -75,15 +69,5 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_scale:
     args = (x, w, ws, xs, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), m_bucket(m))
     flags = dict(ACT_FP8=act_fp8, NATIVE_FP8=act_fp8 and _native_fp8(x.device),
                  DOT_FP32=INTERPRET or (not act_fp8 and x.dtype == torch.float32))
-    if INTERPRET:
-        c = INTERPRET_CONFIG.kwargs
-        grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])
-        _fp8_matmul_kernel[grid](*args, **flags, **c)
-    else:
-        kernel = _tuned_decode if m <= 32 else _tuned_prefill
-
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
-
-        kernel[grid](*args, **flags)
+    launch(_fp8_matmul_kernel, _tuned_decode, _tuned_prefill, args, flags, m, n, None, decode)
     return y.to(out_dtype)

@@ -12,16 +12,20 @@ import argparse
 import sys
 
 import torch
+from qtoolkit.kernels import scheme as S
+from qtoolkit.kernels.reference import quantize_activations, quantize_weight
+
+from qtoolkit.io import write_json
+from qtoolkit.provenance import provenance
 
 SHAPES = {"4096x4096": (4096, 4096), "4096x11008": (11008, 4096), "11008x4096": (4096, 11008)}
 MS = [1, 4, 16, 32, 256]
 
 
 def _paths(w: torch.Tensor):
-    from qtoolkit.kernels import scheme as S
+    # the Triton kernels import triton (optional): only on a CUDA machine
     from qtoolkit.kernels.fp8_matmul import fp8_linear
     from qtoolkit.kernels.int4_matmul import int_linear
-    from qtoolkit.kernels.reference import quantize_activations, quantize_weight
 
     dev = w.device
     wb = w.to(torch.bfloat16)
@@ -57,9 +61,6 @@ def check_correct(paths, x: torch.Tensor) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     from triton.testing import do_bench
-
-    from qtoolkit.io import write_json
-    from qtoolkit.provenance import provenance
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--output", default="gpu_bench.json")

@@ -6,7 +6,7 @@ what a [BLOCK_K, BLOCK_N] tile load wants, and keeping it means GPU memory equal
 Unpacked int8 weights [N, K] (INT8 and the odd widths) go through the same kernel with PACKED=False.
 Zero points (asymmetric) arrive unpacked as int8 [N, K/group], like the scales.
 
-Decode (M <= 32) is memory-bound: small BLOCK_M (16, the tl.dot minimum) and split-K so a 4096-wide layer still
+Decode (M <= dispatch.TRITON_DECODE_MAX_M) is memory-bound: small BLOCK_M (16, the tl.dot minimum) and split-K so a 4096-wide layer still
 fills ~130 SMs. Prefill (M >= 256) is compute-bound: big square tiles. tl.dot needs every block dim >= 16;
 the interpreter does not check that, tests/test_kernels_triton.py does.
 """
@@ -18,6 +18,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from .dispatch import TRITON_DECODE_MAX_M
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -41,15 +43,48 @@ INTERPRET_CONFIG = _cfg(16, 32, 32, 2, 1, 1)
 
 
 @triton.jit
+def tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's output tile: row and column offsets and their bounds masks."""
+    pid = tl.program_id(0)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    offs_m = (pid // grid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (pid % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N
+
+
+@triton.jit
+def store_tile(y_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, SPLIT_K: tl.constexpr):
+    """Write a tile of the fp32 output; split-K programs add their partial sums into the zeroed buffer."""
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    ymask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+    else:
+        tl.atomic_add(y_ptrs, acc, mask=ymask)
+
+
+def launch(kernel, tuned_decode, tuned_prefill, args: tuple, flags: dict, m: int, n: int,
+           config: triton.Config | None, decode: bool | None) -> None:
+    """Run a matmul kernel: one pinned config (tests, the interpreter) or the autotuned decode / prefill family."""
+    if INTERPRET or config is not None:
+        c = (config or INTERPRET_CONFIG).kwargs
+        kernel[(triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])](*args, **flags, **c)
+        return
+    tuned = tuned_decode if (m <= TRITON_DECODE_MAX_M if decode is None else decode) else tuned_prefill
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+    tuned[grid](*args, **flags)
+
+
+@triton.jit
 def _int_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                        M_BUCKET, GROUP: tl.constexpr, PACKED: tl.constexpr, HAS_ZP: tl.constexpr,
                        DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    pid, pid_k = tl.program_id(0), tl.program_id(1)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    offs_m = (pid // grid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (pid % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m, mask_n = offs_m < M, offs_n < N
+    pid_k = tl.program_id(1)
+    offs_m, offs_n, mask_m, mask_n = tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -88,12 +123,7 @@ def _int_matmul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, st
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
             acc += tl.dot(x, w.to(x.dtype))
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    ymask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ymask)
-    else:
-        tl.atomic_add(y_ptrs, acc, mask=ymask)
+    store_tile(y_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, SPLIT_K)
 
 
 _tuned_decode = triton.autotune(DECODE_CONFIGS, key=["M_BUCKET", "N", "K"], reset_to_zero=["y_ptr"])(
@@ -113,10 +143,12 @@ def supported(k: int, group: int) -> bool:
 
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-               group: int, packed: bool = True, config: triton.Config | None = None) -> torch.Tensor:
+               group: int, packed: bool = True, config: triton.Config | None = None,
+               decode: bool | None = None) -> torch.Tensor:
     """y [M, N] (x's dtype) for x [M, K]; qweight int32 [N, K/8] when packed, else int8 [N, K].
 
-    `config` pins one tile config instead of autotuning (tests; the interpreter always uses one).
+    `config` pins one tile config instead of autotuning (tests; the interpreter always uses one). `decode` picks
+    the decode configs (kernels/dispatch.py decides; None: by its TRITON_DECODE_MAX_M).
     """
     m, k = x.shape
     if group == k:
@@ -129,15 +161,5 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
             qweight.stride(0), scales.stride(0), y.stride(0), m_bucket(m))
     flags = dict(GROUP=group, PACKED=packed, HAS_ZP=zeros is not None,
                  DOT_FP32=INTERPRET or x.dtype == torch.float32)
-    if INTERPRET or config is not None:
-        c = (config or INTERPRET_CONFIG).kwargs
-        grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])
-        _int_matmul_kernel[grid](*args, **flags, **c)
-    else:
-        kernel = _tuned_decode if m <= 32 else _tuned_prefill
-
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
-
-        kernel[grid](*args, **flags)
+    launch(_int_matmul_kernel, _tuned_decode, _tuned_prefill, args, flags, m, n, config, decode)
     return y.to(x.dtype)

@@ -43,10 +43,6 @@ class Scheme:
     def packed(self) -> bool:
         return self.format == "pack-quantized"
 
-    @property
-    def is_fp8(self) -> bool:
-        return self.weight_type == "float"
-
     def qrange(self) -> tuple[float, float]:
         if self.weight_type == "float":
             return -448.0, 448.0

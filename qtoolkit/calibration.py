@@ -10,23 +10,23 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from datasets import Dataset
+from qtoolkit.evals.data import ASPECTS, aclsum_items, humaneval_problems
+from qtoolkit.evals.prompts import user_message
+
 CODE_HOLDOUT_START = 100
 
 
 def _code_texts() -> list[str]:
-    from qtoolkit.evals.data import humaneval_problems
-
     return [p["prompt"] + p["canonical_solution"] for p in humaneval_problems()[CODE_HOLDOUT_START:]]
 
 
 def _summarization_texts(tokenizer: Any) -> list[str]:
-    from qtoolkit.evals.data import ASPECTS, aclsum_items
-
     texts = []
     for i, doc in enumerate(aclsum_items("train")):
         aspect = ASPECTS[i % len(ASPECTS)]
         messages = [
-            {"role": "user", "content": f"Summarize the {aspect} of this paper in one sentence.\n\n{doc['abstract']}"},
+            {"role": "user", "content": user_message(doc["abstract"], aspect)},
             {"role": "assistant", "content": doc["summaries"][aspect]},
         ]
         if getattr(tokenizer, "chat_template", None):
@@ -54,7 +54,5 @@ def calibration_texts(dataset: str, num_samples: int, tokenizer: Any, seed: int 
 
 def calibration_dataset(texts: list[str], tokenizer: Any, max_seq_length: int):
     """Tokenized `datasets.Dataset` (input_ids, attention_mask) as llm-compressor's oneshot expects."""
-    from datasets import Dataset
-
     enc = tokenizer(texts, truncation=True, max_length=max_seq_length, add_special_tokens=False)
     return Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})

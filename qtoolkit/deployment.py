@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from qtoolkit.evals.backend import BackendError
+
+from .errors import BackendError
 
 ROLE_KEY_ENV = {"candidate": "QTOOLKIT_CANDIDATE_API_KEY", "baseline": "QTOOLKIT_BASELINE_API_KEY"}
 SHARED_KEY_ENV = ("QTOOLKIT_API_KEY", "OPENAI_API_KEY")

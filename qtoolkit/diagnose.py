@@ -7,37 +7,27 @@ measured in the same run (a streaming read and a GEMM), and the engine's achieve
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
 import torch
 
+from .batching_ceiling import batching_ceiling, step_time_curve
+from .diagnose_result import (
+    DecodeRow,
+    DiagnoseResult,
+    KVCapacity,
+    MachineCeilings,
+    ModelBytes,
+    PrefillRow,
+    Roofline,
+)
+from .engine import Engine, SamplingParams
+from .engine.model_runner import kv_bytes_per_block
+from .kernels.roofline import measure_bandwidth, measure_gemm_flops
 from .progress import bar, status
 from .provenance import provenance
-
-
-def _median_time(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def measure_bandwidth(megabytes: int = 512, repeat: int = 5) -> float:
-    """DRAM read bandwidth in GB/s: a sum over a buffer far larger than the caches."""
-    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
-    x.sum()  # fault the pages in
-    return x.nbytes / _median_time(lambda: x.sum(), repeat) / 1e9
-
-
-def measure_gemm_flops(n: int = 1024, repeat: int = 5) -> float:
-    """fp32 GEMM throughput in GFLOP/s (the compute ceiling prefill runs against)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    return 2 * n**3 / _median_time(lambda: a @ b, repeat) / 1e9
+from .workloads import build_workload
 
 
 def _leaf_linear_bytes(mod: torch.nn.Module) -> int | None:
@@ -49,7 +39,7 @@ def _leaf_linear_bytes(mod: torch.nn.Module) -> int | None:
     return None
 
 
-def model_bytes(model: torch.nn.Module) -> dict[str, int]:
+def model_bytes(model: torch.nn.Module) -> ModelBytes:
     """Bytes a decode step streams: every Linear's weights + the lm_head (the embedding lookup is a gather)."""
     linear = head = 0
     for name, mod in model.named_modules():
@@ -63,20 +53,17 @@ def model_bytes(model: torch.nn.Module) -> dict[str, int]:
     c = model.config  # matmul weights per token from the shapes (quantized weights are buffers, not parameters)
     per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * \
         c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    return {"linear_bytes": linear, "lm_head_bytes": head, "decode_bytes_per_step": linear + head,
-            "matmul_weights": c.num_layers * per_layer + c.vocab_size * c.hidden_size}
+    return ModelBytes(linear, head, linear + head, c.num_layers * per_layer + c.vocab_size * c.hidden_size)
 
 
 def _timed_generate(engine, prompts: list[list[int]], max_tokens: int) -> float:
-    from .engine import SamplingParams
-
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     t = time.perf_counter()
     engine.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - t
 
 
-def prefill_sweep(engine, lengths: list[int], vocab: int) -> list[dict[str, Any]]:
+def prefill_sweep(engine, lengths: list[int], vocab: int) -> list[PrefillRow]:
     rows = []
     g = torch.Generator().manual_seed(0)
     for n in bar(lengths, desc="prefill sweep", unit="len"):
@@ -84,12 +71,12 @@ def prefill_sweep(engine, lengths: list[int], vocab: int) -> list[dict[str, Any]
         _timed_generate(engine, [prompt], 1)  # warm-up (and fills no prefix cache: prompts differ below)
         prompt = torch.randint(100, vocab - 1, (n,), generator=g).tolist()
         t = _timed_generate(engine, [prompt], 1)
-        rows.append({"prompt_tokens": n, "seconds": round(t, 4), "tokens_per_s": round(n / t, 1)})
+        rows.append(PrefillRow(n, round(t, 4), round(n / t, 1)))
     return rows
 
 
 def decode_sweep(engine, batches: list[int], vocab: int, new_tokens: int = 32,
-                 prompt_tokens: int = 32) -> list[dict[str, Any]]:
+                 prompt_tokens: int = 32) -> list[DecodeRow]:
     """Decode tok/s per batch size: (full run - prefill-only run) isolates the decode steps."""
     rows = []
     g = torch.Generator().manual_seed(1)
@@ -101,48 +88,45 @@ def decode_sweep(engine, batches: list[int], vocab: int, new_tokens: int = 32,
         t_prefill = _timed_generate(engine, prompts(), 1)
         t_full = _timed_generate(engine, prompts(), new_tokens + 1)
         t_decode = max(t_full - t_prefill, 1e-9)
-        rows.append({"batch": b, "decode_seconds": round(t_decode, 4),
-                     "tokens_per_s": round(b * new_tokens / t_decode, 1),
-                     "ms_per_step": round(1000 * t_decode / new_tokens, 2)})
+        rows.append(DecodeRow(b, round(t_decode, 4), round(b * new_tokens / t_decode, 1),
+                              round(1000 * t_decode / new_tokens, 2)))
     return rows
 
 
-def roofline(sizes: dict[str, int], kv_per_token: int, bandwidth_gbs: float, gflops: float,
-             batch: int, context: int) -> dict[str, float]:
+def roofline(sizes: ModelBytes, kv_per_token: int, bandwidth_gbs: float, gflops: float,
+             batch: int, context: int) -> Roofline:
     """Attainable tok/s: decode = min(bytes bound, flops bound); prefill = flops bound."""
-    flops_per_token = 2 * sizes["matmul_weights"]
-    step_bytes = sizes["decode_bytes_per_step"] + batch * context * kv_per_token
+    flops_per_token = 2 * sizes.matmul_weights
+    step_bytes = sizes.decode_bytes_per_step + batch * context * kv_per_token
     memory_bound = batch * bandwidth_gbs * 1e9 / step_bytes
     compute_bound = gflops * 1e9 / flops_per_token
-    return {"decode_memory_bound_tok_s": round(memory_bound, 1), "compute_bound_tok_s": round(compute_bound, 1),
-            "decode_attainable_tok_s": round(min(memory_bound, compute_bound), 1)}
+    return Roofline(round(memory_bound, 1), round(compute_bound, 1), round(min(memory_bound, compute_bound), 1))
 
 
-def classify(result: dict[str, Any]) -> tuple[str, list[str]]:
+def classify(decode: list[DecodeRow], roof: dict[int, Roofline], kv: KVCapacity, sizes: ModelBytes,
+             ceiling: dict[str, Any] | None = None) -> tuple[str, list[str]]:
     """Name the bottleneck and the order of levers, from the measured figures."""
-    dec = {r["batch"]: r for r in result["decode"]}
+    dec = {r.batch: r for r in decode}
     b1, bmax = dec[min(dec)], dec[max(dec)]
-    roof = result["roofline"]
-    kv = result["kv"]
-    scaling = bmax["tokens_per_s"] / b1["tokens_per_s"]
+    scaling = bmax.tokens_per_s / b1.tokens_per_s
     levers: list[str] = []
-    if kv["max_concurrent_at_context"] < max(dec):
+    if kv.max_concurrent_at_context < max(dec):
         bottleneck = "KV-memory"
-        levers.append(f"KV cache holds only {kv['max_concurrent_at_context']} sequences of {kv['context']} tokens: "
+        levers.append(f"KV cache holds only {kv.max_concurrent_at_context} sequences of {kv.context} tokens: "
                       "raise --kv-cache-memory or quantize the KV cache before anything else")
-    elif roof["batch1"]["decode_memory_bound_tok_s"] < roof["batch1"]["compute_bound_tok_s"]:
+    elif roof[1].decode_memory_bound_tok_s < roof[1].compute_bound_tok_s:
         bottleneck = "decode-memory"
     else:
         bottleneck = "prefill-compute"
     lever = (f"continuous batching: aggregate decode grows {scaling:.1f}x from batch {min(dec)} to {max(dec)} "
              "(weights are read once per step for the whole batch)")
-    if ceiling := result.get("batching_ceiling", {}).get("by_concurrency"):
-        top = ceiling[-1]
-        lever += (f"; replayed on these step times, the {result['batching_ceiling']['workload']} workload's output "
+    if by_concurrency := (ceiling or {}).get("by_concurrency"):
+        top = by_concurrency[-1]
+        lever += (f"; replayed on these step times, the {ceiling['workload']} workload's output "
                   f"lengths bound continuous / static at {top['continuous_over_static']:.2f}x at concurrency "
                   f"{top['concurrency']}")
     levers.append(lever)
-    levers.append(f"weight quantization: a decode step streams {result['model']['decode_bytes_per_step'] / 1e6:.0f} MB;"
+    levers.append(f"weight quantization: a decode step streams {sizes.decode_bytes_per_step / 1e6:.0f} MB;"
                   " INT4 cuts the linear part ~3.5x, which lifts the batch-1 memory roofline")
     levers.append("speculative decoding at low concurrency: it turns memory-bound single-token steps into "
                   "multi-token verification; it fades as the batch fills the compute")
@@ -151,16 +135,13 @@ def classify(result: dict[str, Any]) -> tuple[str, list[str]]:
     return bottleneck, levers
 
 
-def continuous_batching_ceiling(decode: list[dict[str, Any]], workload: str = "mixed", mean_output_tokens: int = 64,
+def continuous_batching_ceiling(decode: list[DecodeRow], workload: str = "mixed", mean_output_tokens: int = 64,
                                 max_output_tokens: int = 128, waves: int = 8) -> dict[str, Any]:
     """Upper bound of continuous / static output tok/s per measured batch size, for `qtool bench serve`'s
     default workload (its lengths replayed on the measured step times; see batching_ceiling)."""
-    from .batching_ceiling import batching_ceiling, step_time_curve
-    from .workloads import build_workload
-
-    step = step_time_curve([(r["batch"], r["ms_per_step"] / 1000) for r in decode])
+    step = step_time_curve([(r.batch, r.ms_per_step / 1000) for r in decode])
     rows = []
-    for c in sorted({r["batch"] for r in decode if r["batch"] > 1}):
+    for c in sorted({r.batch for r in decode if r.batch > 1}):
         lengths = [r.max_tokens for r in build_workload(workload, waves * c, seed=0, mean_output_tokens=mean_output_tokens,
                                                         max_output_tokens=max_output_tokens)]
         rows.append({"concurrency": c, "continuous_over_static": round(batching_ceiling(lengths, c, step), 3)})
@@ -170,10 +151,7 @@ def continuous_batching_ceiling(decode: list[dict[str, Any]], workload: str = "m
 
 def diagnose(model: str = "default", *, kv_cache_memory: str = "1GiB", dtype: str = "auto",
              batches: tuple[int, ...] = (1, 4, 16, 32), prompt_lengths: tuple[int, ...] = (64, 256, 1024),
-             context: int = 1024, new_tokens: int = 32) -> dict[str, Any]:
-    from .engine import Engine
-    from .engine.model_runner import kv_bytes_per_block
-
+             context: int = 1024, new_tokens: int = 32) -> DiagnoseResult:
     status("measuring memory bandwidth and GEMM throughput")
     bandwidth = measure_bandwidth()
     gflops = measure_gemm_flops()
@@ -182,42 +160,35 @@ def diagnose(model: str = "default", *, kv_cache_memory: str = "1GiB", dtype: st
     vocab = engine.model.config.vocab_size
     sizes = model_bytes(engine.model)
     kv_per_token = kv_bytes_per_block(engine.model, 1)
-    kv_blocks = len(engine.block_manager.blocks)
+    blocks, block_size = len(engine.block_manager.blocks), engine.block_manager.block_size
+    kv = KVCapacity(kv_per_token, blocks, block_size, context, blocks * block_size // context)
     prefill = prefill_sweep(engine, [n for n in prompt_lengths if n < engine.max_model_len], vocab)
     decode = decode_sweep(engine, list(batches), vocab, new_tokens=new_tokens)
-    result: dict[str, Any] = {
-        **provenance(model=engine.source.describe(), kv_cache_memory=kv_cache_memory, dtype=dtype),
-        "machine_ceilings": {"memory_bandwidth_gb_s": round(bandwidth, 2), "fp32_gemm_gflop_s": round(gflops, 1)},
-        "model": sizes,
-        "kv": {"bytes_per_token": kv_per_token, "blocks": kv_blocks, "block_size": engine.block_manager.block_size,
-               "context": context,
-               "max_concurrent_at_context": kv_blocks * engine.block_manager.block_size // context},
-        "prefill": prefill,
-        "decode": decode,
-    }
-    result["roofline"] = {f"batch{b}": roofline(sizes, kv_per_token, bandwidth, gflops, b, 64) for b in batches}
-    result["roofline"]["prefill_attainable_tok_s"] = round(gflops * 1e9 / (2 * sizes["matmul_weights"]), 1)
+    roof = {b: roofline(sizes, kv_per_token, bandwidth, gflops, b, 64) for b in batches}
+    prefill_roof = round(gflops * 1e9 / (2 * sizes.matmul_weights), 1)
     for row in decode:
-        att = result["roofline"][f"batch{row['batch']}"]["decode_attainable_tok_s"]
-        row["fraction_of_roofline"] = round(row["tokens_per_s"] / att, 3)
-    for row in prefill:
-        row["fraction_of_roofline"] = round(row["tokens_per_s"] / result["roofline"]["prefill_attainable_tok_s"], 3)
-    result["batching_ceiling"] = continuous_batching_ceiling(decode)
-    result["bottleneck"], result["levers"] = classify(result)
-    return result
+        row.fraction_of_roofline = round(row.tokens_per_s / roof[row.batch].decode_attainable_tok_s, 3)
+    for p in prefill:
+        p.fraction_of_roofline = round(p.tokens_per_s / prefill_roof, 3)
+    ceiling = continuous_batching_ceiling(decode)
+    bottleneck, levers = classify(decode, roof, kv, sizes, ceiling)
+    return DiagnoseResult(
+        provenance(model=engine.source.describe(), kv_cache_memory=kv_cache_memory, dtype=dtype),
+        MachineCeilings(round(bandwidth, 2), round(gflops, 1)), sizes, kv, prefill, decode, roof, prefill_roof,
+        ceiling, bottleneck, levers)
 
 
-def format_summary(r: dict[str, Any]) -> str:
-    lines = [f"memory bandwidth {r['machine_ceilings']['memory_bandwidth_gb_s']} GB/s, "
-             f"fp32 GEMM {r['machine_ceilings']['fp32_gemm_gflop_s']} GFLOP/s; "
-             f"decode streams {r['model']['decode_bytes_per_step'] / 1e6:.0f} MB/step"]
-    lines += [f"prefill {p['prompt_tokens']:>5} tok: {p['tokens_per_s']:>8} tok/s "
-              f"({100 * p['fraction_of_roofline']:.0f}% of compute roofline)" for p in r["prefill"]]
-    lines += [f"decode batch {d['batch']:>3}: {d['tokens_per_s']:>8} tok/s, {d['ms_per_step']} ms/step "
-              f"({100 * d['fraction_of_roofline']:.0f}% of roofline)" for d in r["decode"]]
+def format_summary(r: DiagnoseResult) -> str:
+    lines = [f"memory bandwidth {r.machine_ceilings.memory_bandwidth_gb_s} GB/s, "
+             f"fp32 GEMM {r.machine_ceilings.fp32_gemm_gflop_s} GFLOP/s; "
+             f"decode streams {r.model.decode_bytes_per_step / 1e6:.0f} MB/step"]
+    lines += [f"prefill {p.prompt_tokens:>5} tok: {p.tokens_per_s:>8} tok/s "
+              f"({100 * p.fraction_of_roofline:.0f}% of compute roofline)" for p in r.prefill]
+    lines += [f"decode batch {d.batch:>3}: {d.tokens_per_s:>8} tok/s, {d.ms_per_step} ms/step "
+              f"({100 * d.fraction_of_roofline:.0f}% of roofline)" for d in r.decode]
     lines += [f"continuous / static ceiling at concurrency {x['concurrency']:>3}: {x['continuous_over_static']:.2f}x "
-              f"({r['batching_ceiling']['workload']} workload, decode only)"
-              for x in r.get("batching_ceiling", {}).get("by_concurrency", [])]
-    lines.append(f"bottleneck: {r['bottleneck']}")
-    lines += [f"  {i}. {lever}" for i, lever in enumerate(r["levers"], 1)]
+              f"({r.batching_ceiling['workload']} workload, decode only)"
+              for x in r.batching_ceiling.get("by_concurrency", [])]
+    lines.append(f"bottleneck: {r.bottleneck}")
+    lines += [f"  {i}. {lever}" for i, lever in enumerate(r.levers, 1)]
     return "\n".join(lines)

@@ -21,3 +21,7 @@ class OutputExistsError(QToolError):
 
 class DataError(QToolError):
     """Input data (completions, prompts, calibration sets) is malformed."""
+
+
+class BackendError(QToolError):
+    """A model backend cannot be built or does not answer."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .evals.summary import Figure, PairedDelta, TaskSummary
+
 PASS, FAIL, INCONCLUSIVE, NO_EVIDENCE = "PASS", "FAIL", "INCONCLUSIVE", "NO EVIDENCE"
 EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 3}
 
@@ -60,11 +62,11 @@ def judge_interval(point: float | None, lo: float | None, hi: float | None, *, m
     return Judgement(INCONCLUSIVE, f"[{_fmt(lo)}, {_fmt(hi)}] straddles min {min_:g}", resolution)
 
 
-def no_evidence(node: Any, min_share: float | None) -> str | None:
+def no_evidence(fig: Figure | float | None, min_share: float | None) -> str | None:
     """Why a pass-rate delta carries no evidence on this model, or None when it does."""
-    if not isinstance(node, dict) or "baseline" not in node or node.get("baseline") is None:
+    if not isinstance(fig, PairedDelta) or fig.baseline is None:
         return None
-    base, cand, n = node["baseline"], node.get("candidate"), node.get("items", "?")
+    base, cand, n = fig.baseline, fig.candidate, "?" if fig.items is None else fig.items
     if min_share is not None and base < min_share:
         return f"the baseline solves {base:.0%} of {n} items, under the {min_share:.0%} the policy asks for this gate"
     if base == 0 and cand == 0:
@@ -72,27 +74,26 @@ def no_evidence(node: Any, min_share: float | None) -> str | None:
     return None
 
 
-def judge_quality(node: Any, sign: float, point_only: bool, *, max_: float | None, min_: float | None,
-                  min_share: float | None = None, required: bool = True) -> Judgement:
-    """One quality gate from its summary node (a paired delta, token statistics or a plain number)."""
-    if node is None:
+def judge_quality(fig: Figure | float | None, sign: float, point_only: bool, *, max_: float | None,
+                  min_: float | None, min_share: float | None = None, required: bool = True) -> Judgement:
+    """One quality gate from its figure (a paired delta, a token statistic, a rate or a plain number)."""
+    if fig is None:
         return Judgement(NO_EVIDENCE, "not measured", required=required)
-    if isinstance(node, (int, float)):
-        return judge_interval(sign * node, None, None, max_=max_, min_=min_)
-    why = no_evidence(node, min_share)
+    if isinstance(fig, (int, float)):
+        return judge_interval(sign * fig, None, None, max_=max_, min_=min_)
+    why = no_evidence(fig, min_share)
     if why is not None:
         # conditional on a share: not required below it; otherwise it cannot be passed without evidence
         return Judgement(NO_EVIDENCE, why, "no evidence at this sample", required and min_share is None)
-    point = node["delta"] if "delta" in node else node["mean_pm"][0]
-    ci = None if point_only else node.get("ci95")
+    point = fig.point
     lo = hi = None
-    if ci and None not in ci:
-        lo, hi = sorted((sign * ci[0], sign * ci[1]))
-    items = node.get("items")
+    if not point_only and fig.ci.complete:
+        lo, hi = sorted((sign * fig.ci.bounds[0], sign * fig.ci.bounds[1]))
+    items = fig.items
     j = judge_interval(None if point is None else sign * point, lo, hi, max_=max_, min_=min_,
                        n_text=f", {items} items" if items else "")
-    j.ci_method = node.get("ci_method")
-    if node.get("ci_reliable") is False and j.verdict != NO_EVIDENCE:
+    j.ci_method = fig.ci.method
+    if fig.ci.reliable is False and j.verdict != NO_EVIDENCE:
         j.verdict, j.detail = INCONCLUSIVE, f"too few items for a reliable interval ({j.detail})"
     return j
 
@@ -130,7 +131,7 @@ def reading(gates: list[Any], evals: dict[str, Any] | None, sequential: dict[str
                      "a required quality gate is inconclusive and none has failed, the items of the undecided "
                      "tasks double up to the budget, reusing finished ones; with K looks at 95% each, a decisive "
                      f"gate is wrong with probability at most K x 5% = {sequential['error_rate_bound']:.0%}.")
-    code = ((evals or {}).get("tasks", {}).get("code") or {}).get("summary") or {}
+    code = TaskSummary.from_json(((evals or {}).get("tasks", {}).get("code") or {}).get("summary"))
     iso = code.get("isolation")
     if iso:
         weak = f" WEAK, opted out with --allow-weak-sandbox (missing: {'; '.join(iso['missing'])})" \

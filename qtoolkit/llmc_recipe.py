@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import yaml
+from llmcompressor.recipe import Recipe as LlmcRecipe
 from pydantic import ValidationError
 
 from .errors import RecipeError
@@ -57,8 +58,6 @@ def _fail(lines: dict[tuple, int], source: str, path: tuple, msg: str) -> Recipe
 def _validate_with_llmcompressor(data: dict, lines: dict[tuple, int], source: str) -> None:
     """llm-compressor's parser and modifier models judge the file first, so what passes here is what `oneshot`
     accepts; its errors are turned into one line at the offending key."""
-    from llmcompressor.recipe import Recipe as LlmcRecipe  # heavy (torch): only for llm-compressor files
-
     for stage, groups, mtype, args in _modifiers(data):
         if not isinstance(args, dict):
             raise _fail(lines, source, (stage, groups, mtype),

@@ -12,7 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from matplotlib.figure import Figure
+
 from .errors import DataError
+from .evals.summary import PairedDelta, TaskSummary, figure_from_json
 from .report import _png, plot_kld
 
 
@@ -30,13 +33,13 @@ def eval_kld_values(data: dict[str, Any]) -> dict[str, list[float]]:
 def _deltas(data: dict[str, Any]) -> list[tuple[str, float, list[float | None]]]:
     rows = []
     for task, entry in data.get("tasks", {}).items():
-        summary = entry.get("summary") or {}
-        # perplexity nests its figures per text set: summary[text_set][metric]
-        flat = {f"{k}.{m}": x for k, v in summary.items() if isinstance(v, dict) and "delta" not in v
-                for m, x in v.items()}
-        for metric, v in {**summary, **flat}.items():
-            if isinstance(v, dict) and v.get("delta") is not None:
-                rows.append((f"{task}.{metric}", v["delta"], v.get("ci95") or [None, None]))
+        summary = TaskSummary.from_json(entry.get("summary"))
+        # a figure may sit one level down (summary[group][metric]) in a node of another shape
+        nested = {f"{k}.{m}": figure_from_json(x) for k, v in summary.entries.items() if isinstance(v, dict)
+                  for m, x in v.items()}
+        for metric, d in {**summary.deltas(), **nested}.items():
+            if isinstance(d, PairedDelta) and d.delta is not None:
+                rows.append((f"{task}.{metric}", d.delta, list(d.ci.bounds or (None, None))))
     return rows
 
 
@@ -44,9 +47,8 @@ def plot_eval_deltas(data: dict[str, Any]) -> str | None:
     rows = _deltas(data)
     if not rows:
         return None
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(rows), 1, figsize=(6.5, 0.75 * len(rows) + 0.6), squeeze=False)
+    fig = Figure(figsize=(6.5, 0.75 * len(rows) + 0.6))
+    axes = fig.subplots(len(rows), 1, squeeze=False)
     for ax, (name, delta, (lo, hi)) in zip(axes[:, 0], rows, strict=True):
         err = [[delta - lo], [hi - delta]] if lo is not None and hi is not None else None
         ax.errorbar([delta], [0], xerr=err, fmt="o", color="tab:blue", capsize=4)
@@ -62,8 +64,6 @@ def plot_bench(data: dict[str, Any]) -> dict[str, str | None]:
     tiers = data.get("tiers") or []
     if not tiers:
         return {}
-    import matplotlib.pyplot as plt
-
     plots: dict[str, str | None] = {}
     for key, label, title in (("output_tok_per_s", "output tokens/s", "Throughput per system"),
                               ("median_ttft_ms", "median TTFT (ms)", "Time to first token per system"),
@@ -75,7 +75,8 @@ def plot_bench(data: dict[str, Any]) -> dict[str, str | None]:
                     series.setdefault(system, []).append((tier["concurrency"], r[key]))
         if not series:
             continue
-        fig, ax = plt.subplots(figsize=(6.5, 3.6))
+        fig = Figure(figsize=(6.5, 3.6))
+        ax = fig.subplots()
         for system, pts in series.items():
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, marker="o", label=system)
@@ -91,9 +92,6 @@ def plot_bench(data: dict[str, Any]) -> dict[str, str | None]:
 
 def plot_file(path: str | Path, output: str | Path | None = None) -> list[Path]:
     """Write the plots of an eval or bench result JSON as PNGs next to it (or into `output`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     path = Path(path)
     try:
         data = json.loads(path.read_text())

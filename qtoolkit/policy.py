@@ -11,12 +11,13 @@ import importlib.resources
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import QToolError
+from .evals.summary import Figure, TaskSummary, TokenStat
 from .yaml_safe import load_yaml_file
 
 POLICY_DIR = Path(str(importlib.resources.files("qtoolkit.recipes"))) / "policies"
@@ -28,20 +29,24 @@ class PolicyError(QToolError):
 
 @dataclass(frozen=True)
 class Metric:
-    """Where a figure lives in a task summary, and which CI end is worst for the candidate."""
+    """Which figure of a task summary a gate reads (evals/summary.py), and which CI end is worst for the candidate."""
 
-    path: tuple[str, ...]  # into the task summary
+    figure: str  # its name in the task summary, or in its token statistics when `tokens`
     worst: Literal["high", "low", "point"]  # which bound to judge on
     sign: float = 1.0  # -1 turns a delta into a drop (so "max drop" gates read naturally)
     doc: str = ""
+    tokens: bool = False  # a token statistic (the summary's text_stats)
+    part: str | None = None  # one number the figure carries (KLD's p99), judged as a point
 
 
 _TOKEN_METRICS = {
-    "kld_mean": Metric(("text_stats", "kld"), "high", doc="mean KL divergence candidate || baseline, nats/token"),
-    "kld_p99": Metric(("text_stats", "kld", "p99"), "point", doc="99th percentile of per-token KLD"),
-    "ppl_ratio": Metric(("text_stats", "ppl_ratio"), "high", doc="perplexity ratio candidate / baseline"),
-    "same_top1": Metric(("text_stats", "same_top1"), "low", doc="share of tokens with the same top-1"),
+    "kld_mean": Metric("kld", "high", doc="mean KL divergence candidate || baseline, nats/token", tokens=True),
+    "kld_p99": Metric("kld", "point", doc="99th percentile of per-token KLD", tokens=True, part="p99"),
+    "ppl_ratio": Metric("ppl_ratio", "high", doc="perplexity ratio candidate / baseline", tokens=True),
+    "same_top1": Metric("same_top1", "low", doc="share of tokens with the same top-1", tokens=True),
 }
+
+
 class _Metrics(dict):
     """Task name -> its metrics; every workload file's task (custom:NAME) has the `custom` metrics."""
 
@@ -54,23 +59,23 @@ class _Metrics(dict):
 METRICS: dict[str, dict[str, Metric]] = _Metrics({
     "code": {
         **_TOKEN_METRICS,
-        "pass_at_1_drop": Metric(("pass@1",), "low", -1.0, "HumanEval pass@1 baseline - candidate"),
-        "nll_delta": Metric(("nll_canonical_solution",), "high", doc="NLL of canonical solutions, nats/token"),
-        "greedy_agreement": Metric(("greedy_agreement", "rate"), "point", doc="greedy completions equal"),
+        "pass_at_1_drop": Metric("pass@1", "low", -1.0, "HumanEval pass@1 baseline - candidate"),
+        "nll_delta": Metric("nll_canonical_solution", "high", doc="NLL of canonical solutions, nats/token"),
+        "greedy_agreement": Metric("greedy_agreement", "point", doc="greedy completions equal"),
     },
     "summarization": {
         **_TOKEN_METRICS,
-        "rouge1_drop": Metric(("rouge1",), "low", -1.0, "ROUGE-1 baseline - candidate"),
-        "rougeL_drop": Metric(("rougeL",), "low", -1.0, "ROUGE-L baseline - candidate"),
-        "nll_delta": Metric(("nll_reference",), "high", doc="NLL of reference summaries, nats/token"),
+        "rouge1_drop": Metric("rouge1", "low", -1.0, "ROUGE-1 baseline - candidate"),
+        "rougeL_drop": Metric("rougeL", "low", -1.0, "ROUGE-L baseline - candidate"),
+        "nll_delta": Metric("nll_reference", "high", doc="NLL of reference summaries, nats/token"),
     },
     "custom": {  # a workload file (--data); teacher-forced figures are on the baseline's own answers
         **_TOKEN_METRICS,
-        "nll_delta": Metric(("nll_answer",), "high", doc="NLL of the baseline's answers, nats/token"),
-        "rougeL_drop": Metric(("rougeL",), "low", -1.0, "ROUGE-L vs `reference` baseline - candidate"),
-        "pass_at_1_drop": Metric(("pass@1",), "low", -1.0, "pass@1 under the lines' `tests` baseline - candidate"),
-        "greedy_agreement": Metric(("greedy_agreement", "rate"), "point", doc="greedy answers equal"),
-        "answer_tokens_delta": Metric(("answer_tokens",), "point", doc="answer length candidate - baseline"),
+        "nll_delta": Metric("nll_answer", "high", doc="NLL of the baseline's answers, nats/token"),
+        "rougeL_drop": Metric("rougeL", "low", -1.0, "ROUGE-L vs `reference` baseline - candidate"),
+        "pass_at_1_drop": Metric("pass@1", "low", -1.0, "pass@1 under the lines' `tests` baseline - candidate"),
+        "greedy_agreement": Metric("greedy_agreement", "point", doc="greedy answers equal"),
+        "answer_tokens_delta": Metric("answer_tokens", "point", doc="answer length candidate - baseline"),
     },
 })
 
@@ -147,47 +152,30 @@ def load_policy(spec: str | os.PathLike = "default") -> Policy:
     return policy.model_copy(update={"source": str(path)})
 
 
-def _dig(summary: dict[str, Any], path: tuple[str, ...]) -> Any:
-    node: Any = summary
-    for key in path:
-        if not isinstance(node, dict) or key not in node:
-            return None
-        node = node[key]
-    return node
+def metric_figure(summary: TaskSummary, metric: Metric) -> Figure | float | None:
+    """The figure a metric reads (a paired delta, a token statistic, a rate, or one number); None when absent."""
+    if metric.tokens:
+        stats = summary.text_stats
+        fig = None if stats is None else stats.figure(metric.figure)
+    else:
+        fig = summary.figure(metric.figure)
+    if fig is not None and metric.part is not None:
+        value = fig.extra.get(metric.part) if isinstance(fig, TokenStat) else None
+        return value if isinstance(value, (int, float)) else None
+    return fig
 
 
-def metric_node(summary: dict[str, Any], metric: Metric) -> Any:
-    """The summary's node for a metric (a paired delta, token statistics or a number); None when absent."""
-    return _dig(summary, metric.path)
-
-
-def read_metric(summary: dict[str, Any], metric: Metric) -> tuple[float | None, float | None]:
+def read_metric(summary: TaskSummary, metric: Metric) -> tuple[float | None, float | None]:
     """(point estimate, value judged) from a task summary; None when the figure is absent."""
-    node = _dig(summary, metric.path)
-    if node is None:
+    fig = metric_figure(summary, metric)
+    if fig is None:
         return None, None
-    if isinstance(node, (int, float)):
-        return metric.sign * node, metric.sign * node
-    if "delta" in node:  # paired_delta: {"delta", "ci95": [lo, hi]}
-        point, ci = node["delta"], node.get("ci95")
-    else:  # token stats: {"mean_pm": [mean, se], "ci95": [lo, hi]}
-        point, ci = node["mean_pm"][0], node.get("ci95")
+    if isinstance(fig, (int, float)):
+        return metric.sign * fig, metric.sign * fig
+    point = fig.point
     if point is None:
         return None, None
     judged = point
-    if ci and None not in ci and metric.worst != "point":
-        judged = ci[1] if metric.worst == "high" else ci[0]
-    point, judged = metric.sign * point, metric.sign * judged
-    return point, judged
-
-
-def check_bound(value: float | None, bound: Bound) -> tuple[bool, str]:
-    if value is None:
-        return False, "not measured"
-    value += 0.0  # -0.0 -> 0.0 in messages
-    if bound.max is not None and value > bound.max:
-        return False, f"{value:.4g} > max {bound.max:g}"
-    if bound.min is not None and value < bound.min:
-        return False, f"{value:.4g} < min {bound.min:g}"
-    limits = [f"max {bound.max:g}" if bound.max is not None else "", f"min {bound.min:g}" if bound.min is not None else ""]
-    return True, f"{value:.4g} within {' '.join(x for x in limits if x)}"
+    if fig.ci.complete and metric.worst != "point":
+        judged = fig.ci.bounds[1] if metric.worst == "high" else fig.ci.bounds[0]
+    return metric.sign * point, metric.sign * judged

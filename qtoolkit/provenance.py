@@ -11,6 +11,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
+
 SCHEMA_VERSION = 1
 _LIBS = ("qtoolkit", "torch", "transformers", "compressed-tensors", "llmcompressor", "safetensors", "triton",
          "lm-eval", "bitsandbytes")
@@ -84,13 +86,8 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
     return info
 
 

@@ -15,6 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from compressed_tensors.utils import match_named_modules
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+from .calibration import calibration_dataset, calibration_texts
 from .errors import QToolError, RecipeError
 from .io import atomic_dir, check_output, write_json
 from .progress import bar, status
@@ -23,8 +31,6 @@ from .recipe import BnbOptions, Recipe, check_against_model, load_recipe
 from .sources import ModelSource, resolve_model
 
 SMOKE_PROMPT = "Write a Python function that returns the largest number in a list."
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
 
 
 @dataclass
@@ -64,9 +70,6 @@ def _apply_overrides(r: Recipe, calibration: str | None, num_samples: int | None
 
 
 def _targeted_linears(model, r: Recipe) -> dict[str, tuple[int, int]]:
-    import torch
-    from compressed_tensors.utils import match_named_modules
-
     q = r.quantization
     return {name: (m.out_features, m.in_features)
             for name, m in match_named_modules(model, q.targets, q.ignore)
@@ -74,9 +77,6 @@ def _targeted_linears(model, r: Recipe) -> dict[str, tuple[int, int]]:
 
 
 def _build_modifier(r: Recipe):
-    import torch
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-
     q = r.quantization
     resolved = r.resolved_scheme()
 
@@ -95,12 +95,9 @@ def _build_modifier(r: Recipe):
         groups["group_head"] = QuantizationScheme(targets=["lm_head"], weights=args(head["weights"]),
                                                   input_activations=args(head["input_activations"]))
     if q.modifier == "GPTQModifier":
-        from llmcompressor.modifiers.quantization import GPTQModifier
-
         extra = {k: v for k, v in {"dampening_frac": q.dampening_frac, "block_size": q.block_size}.items()
                  if v is not None}
         return GPTQModifier(config_groups=groups, ignore=q.body_ignore(), **extra)
-    from llmcompressor.modifiers.quantization import QuantizationModifier
 
     return QuantizationModifier(config_groups=groups, ignore=q.body_ignore())
 
@@ -113,9 +110,6 @@ def _cast_scales(model, r: Recipe) -> None:
     bf16 before the checkpoint is packed is exact for the stored integers: packing re-rounds w/s with the cast
     scale, and |q| <= 8 times a relative change of <= 2^-9 stays far below half a step.
     """
-    import torch
-    from compressed_tensors.utils import match_named_modules
-
     name = r.weight_args().get("scale_dtype")
     if not name:
         return
@@ -127,13 +121,8 @@ def _cast_scales(model, r: Recipe) -> None:
 
 
 def _load_model(src: ModelSource, r: Recipe):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(src.path)
     if r.method == "bnb":
-        from transformers import BitsAndBytesConfig
-
         b = r.quantization.bnb or BnbOptions()
         cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=b.quant_type,
                                  bnb_4bit_compute_dtype=getattr(torch, b.compute_dtype),
@@ -149,9 +138,6 @@ def _load_model(src: ModelSource, r: Recipe):
 
 def _smoke_generate(folder: Path, max_new_tokens: int = 40) -> str:
     """Reload the written checkpoint with plain transformers and generate greedily: proves it loads and runs."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu", use_safetensors=True).eval()
     if tok.chat_template:
@@ -214,12 +200,9 @@ def quantize(model: str | os.PathLike = "default", recipe: str | os.PathLike = "
     if r.method != "bnb":
         # llm-compressor's loguru sinks are left as the application set them: `qtool` picks their level through
         # llm-compressor's own LLM_COMPRESSOR_LOG_LEVEL and keeps them off its stdout (see qtoolkit/cli.py)
-        from llmcompressor import oneshot
 
         kwargs: dict[str, Any] = {}
         if r.calibration is not None:
-            from .calibration import calibration_dataset, calibration_texts
-
             c = r.calibration
             status(f"calibration: {c.num_samples} {c.dataset} samples, up to {c.max_seq_length} tokens")
             texts = calibration_texts(c.dataset, c.num_samples, tok, c.seed)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import RecipeError
@@ -56,7 +57,6 @@ class BnbOptions(_Strict):
 def _preset(v: str | None) -> str | None:
     if v is None:
         return v
-    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
     if v.upper() not in PRESET_SCHEMES:
         raise ValueError(f"unknown scheme {v!r}; use one of {', '.join(sorted(PRESET_SCHEMES))}")
@@ -151,8 +151,6 @@ class Recipe(_Strict):
 def _resolve(q: QuantizationSection | HeadSection) -> dict[str, Any]:
     out: dict[str, Any] = {"weights": None, "input_activations": None}
     if q.scheme:
-        from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
-
         for key, args in PRESET_SCHEMES[q.scheme].items():
             if key in out and args is not None:
                 out[key] = args.model_dump(include={"num_bits", "type", "strategy", "group_size",

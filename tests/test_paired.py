@@ -7,7 +7,7 @@ import json
 
 import httpx
 import pytest
-from qtoolkit.evals.backend import Generation, GenParams
+from qtoolkit.evals.backend import GeneratedText, GenParams
 from qtoolkit.evals.code import STOP, CodeTask
 from qtoolkit.evals.data import humaneval_problems
 
@@ -51,9 +51,9 @@ class Recording:
     def __init__(self):
         self.params: list[GenParams] = []
 
-    def generate(self, prompts: list[str], params: GenParams) -> list[Generation]:
+    def generate(self, prompts: list[str], params: GenParams) -> list[GeneratedText]:
         self.params.append(params)
-        return [Generation("    return False\n", [1], "stop") for _ in prompts]
+        return [GeneratedText("    return False\n", [1], "stop") for _ in prompts]
 
 
 def test_code_task_gives_both_sides_identical_settings():

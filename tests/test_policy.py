@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from qtoolkit.evals.stats import paired_delta
+from qtoolkit.evals.summary import TaskSummary
 
 from qtoolkit.policy import METRICS, PolicyError, load_policy, read_metric
 from qtoolkit.signoff import evaluate_gates
@@ -32,10 +33,10 @@ def test_bad_policies_are_refused(tmp_path, body, words):
 def test_gates_judge_the_worst_ci_bound():
     # one flipped item out of 8: the point drop is 0.125 but the CI reaches further
     summary = {"pass@1": paired_delta([1, 0, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0], seed=0)}
-    point, judged = read_metric(summary, METRICS["code"]["pass_at_1_drop"])
+    point, judged = read_metric(TaskSummary.from_json(summary), METRICS["code"]["pass_at_1_drop"])
     assert point == pytest.approx(0.125) and judged >= point
     nll = {"nll_canonical_solution": paired_delta([1.2, 1.0, 1.1], [1.0, 1.0, 1.0], seed=0)}
-    point, judged = read_metric(nll, METRICS["code"]["nll_delta"])
+    point, judged = read_metric(TaskSummary.from_json(nll), METRICS["code"]["nll_delta"])
     assert judged >= point > 0
 
 

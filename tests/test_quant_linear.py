@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from qtoolkit.kernels import cpu
+from qtoolkit.kernels import cpu, dispatch
 from qtoolkit.kernels import scheme as S
 from qtoolkit.kernels.cpu_build import cpu_kernels
 from qtoolkit.kernels.reference import dequantize, quantize_weight, reference_linear
@@ -53,7 +53,7 @@ def test_matches_reference(name, m, cpu_path):
     ref = reference_linear(x, t, SCHEMES[name], b)
     assert y.shape == (m, N) and y.dtype == torch.float32
     # The GEMV kernels quantize activations to int8 per 32-block (~0.5% error); the other paths are fp32-exact.
-    gemv_max = cpu.INT4_GEMV_MAX_M if lin.kind == "int4" else cpu.GEMV_MAX_M
+    gemv_max = dispatch.INT4_GEMV_MAX_M if lin.kind == "int4" else dispatch.GEMV_MAX_M
     tol = 0.02 if cpu_path == "ext" and m <= gemv_max and lin.kind != "fp8" else 1e-5
     assert _rel(y, ref) < tol
     # the layer computes the quantized weight, not the original one: the weight's quantization error is visible.
@@ -154,5 +154,5 @@ def test_blocked_path_buffer_works_in_and_out_of_inference_mode(monkeypatch):
     x = torch.randn(33, 64)  # past every GEMV limit: blocked dequant + sgemm
     for mode in (True, False, True):
         with torch.inference_mode(mode):
-            y = cpu.dense_linear(x, w.bfloat16())
+            y = dispatch.cpu_dense(x, w.bfloat16())
         torch.testing.assert_close(y, x @ w.bfloat16().float().t(), atol=1e-4, rtol=1e-4)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from qtoolkit.evals.stats import paired_delta
+from qtoolkit.evals.summary import figure_from_json
 
 from qtoolkit.cli import main
 from qtoolkit.gates import FAIL, INCONCLUSIVE, NO_EVIDENCE, PASS, judge_quality, overall
@@ -32,14 +33,14 @@ def _summary(kld: dict, cand: list[int], base: list[int]) -> dict:
     (_kld(0.01, 0.02, ci_reliable=False, ci_method="bootstrap"), INCONCLUSIVE),
 ])
 def test_kld_gate_verdicts(kld, verdict):
-    j = judge_quality(kld, 1.0, False, max_=0.1, min_=None)
+    j = judge_quality(figure_from_json(kld), 1.0, False, max_=0.1, min_=None)
     assert j.verdict == verdict and "CI half-width" in j.resolution
     if kld.get("ci_reliable") is False:
         assert "too few items" in j.detail and j.ci_method == "bootstrap"
 
 
 def test_pass_rate_without_evidence_is_never_a_pass():
-    zero = paired_delta([0] * 8, [0] * 8, seed=0)
+    zero = figure_from_json(paired_delta([0] * 8, [0] * 8, seed=0))
     j = judge_quality(zero, -1.0, False, max_=0.15, min_=None)  # no share in the policy: required, undecided
     assert j.verdict == NO_EVIDENCE and j.required and "none of the 8 items" in j.detail
     j = judge_quality(zero, -1.0, False, max_=0.15, min_=None, min_share=0.25)

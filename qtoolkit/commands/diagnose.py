@@ -41,6 +41,6 @@ def run(args: argparse.Namespace) -> int:
                       batches=args.batches, prompt_lengths=args.prompt_lengths)
     print(format_summary(result))
     if args.output:
-        write_json(args.output, result)
+        write_json(args.output, result.to_json())
         print(f"wrote {args.output}")
     return 0

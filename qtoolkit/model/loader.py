@@ -15,14 +15,16 @@ from torch import nn
 
 from ..errors import ModelSourceError
 from ..sources import ModelSource
+from . import quant_linear
 from .llama import DecoderLayer, LlamaModel, ModelConfig
 from .moe import SparseMoE
 from .quant_linear import DenseLinear
 
-# Why "auto" means float32 for dense weights on this CPU (AVX2 without native bf16; measured in an early session whose file was not kept):
-# bf16 matmuls collapse at batch >= 8 (fp32 190 vs bf16 92 tok/s at batch 32) and a serving engine lives at
-# batch >= 8; fp32 also reproduces transformers' greedy output token for token. bf16 wins only at batch 1
-# (55 vs 18 tok/s): ask for it with dtype="bfloat16" for single-stream latency.
+# "auto" means float32 for dense weights on an AVX2 CPU: it has no native bf16 compute, so torch's bf16 matmuls
+# fall behind fp32 once a batch makes a step compute-bound, and a serving engine lives at batch >= 8; fp32 also
+# reproduces transformers' greedy output token for token. bf16 wins at batch 1, where a step only streams weights
+# (measurements/2026-11-30/decode-batch1-int4-vs-bf16-fp32-idle.json: 30.1 vs 17.5 tok/s): ask for it with
+# dtype="bfloat16" for single-stream latency.
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -95,11 +97,6 @@ class LinearFactory:
             if qconfig.get("quant_method", "compressed-tensors") != "compressed-tensors":
                 raise ModelSourceError(f"quantization method {qconfig.get('quant_method')!r} is not supported: "
                                        "use a compressed-tensors checkpoint made by `qtool quantize`")
-            try:
-                from . import quant_linear
-            except ImportError as e:
-                raise ModelSourceError(f"this build cannot run quantized checkpoints ({e}): install a qtoolkit "
-                                       "with qtoolkit/model/quant_linear.py") from None
             self.quant_linear = quant_linear
 
     def has(self, name: str) -> bool:

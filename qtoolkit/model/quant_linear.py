@@ -13,9 +13,8 @@ the scales (they are 1/group of the weight). Every forward goes through kernels.
 from __future__ import annotations
 
 import torch
-from qtoolkit.kernels import cpu as cpu_paths
 from qtoolkit.kernels import dispatch
-from qtoolkit.kernels.cpu import dequantize_fp8, dequantize_int4, dequantize_int8, int4_fast_ok
+from qtoolkit.kernels.cpu import dequantize_fp8, dequantize_int4, dequantize_int8
 from qtoolkit.kernels.cpu_build import cpu_kernels
 from qtoolkit.kernels.reference import unpack_int32
 from qtoolkit.kernels.scheme import QuantSchemeError, Scheme, parse_scheme
@@ -56,13 +55,10 @@ class QuantLinear(nn.Module):
         self._bind_gemv()
 
     def _bind_gemv(self) -> None:
-        """The AVX2 INT4 GEMV and its tensor arguments as plain attributes: a decode step makes ~120 of these
-        calls, and the general path (dispatch, buffer lookups through nn.Module.__getattr__) costs ~10 us each."""
-        ext = cpu_paths.cpu_kernels()  # looked up through kernels.cpu, where the torch-fallback tests switch it off
-        ok = (ext is not None and self.kind == "int4" and self.act is None and not self.qweight.is_cuda
-              and int4_fast_ok(self.in_features, self.group_size))
-        self.cpu_gemv = ext.int4_matmul if ok else None
-        self._gemv_args = (self.qweight, self.scales, self.zeros, self.group_size)
+        """The AVX2 INT4 GEMV and its tensor arguments as plain attributes, which kernels.dispatch reads without
+        nn.Module's buffer lookups."""
+        self.cpu_gemv = dispatch.bind_cpu_gemv(self)
+        self.gemv_args = (self.qweight, self.scales, self.zeros, self.group_size)
 
     def _apply(self, fn, recurse=True):  # .to() / .cuda() replace the buffers: rebind
         out = super()._apply(fn, recurse)
@@ -70,11 +66,6 @@ class QuantLinear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gemv = self.cpu_gemv
-        if (gemv is not None and x.dim() == 2 and x.shape[0] <= cpu_paths.INT4_GEMV_MAX_M
-                and x.dtype == torch.float32 and not x.is_cuda):
-            y = gemv(x.contiguous(), *self._gemv_args)
-            return y if self.bias is None else y + self.bias.to(y.dtype)
         return dispatch.quant_linear(x, self)
 
     def weight_bytes(self) -> int:

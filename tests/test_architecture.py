@@ -1,0 +1,192 @@
+"""The package's shape, checked from its source: no import cycle, short functions, imports at the top, and no
+comment or string that points outside the repository."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# folder -> the package it installs as (pyproject.toml's package-dir)
+PACKAGES = {"qtoolkit": "qtoolkit", "evals": "qtoolkit.evals", "kernels": "qtoolkit.kernels"}
+MAX_FUNCTION_LINES = 100
+# split by another change in flight; removed when that change lands
+LONG_FUNCTIONS_ALLOWED = {"qtoolkit/bench.py:bench_serve", "qtoolkit/server/app.py:create_app"}
+# Imports inside functions are allowed where start-up time demands them (`qtool --help` builds every command's
+# parser, so commands import their work when they run) or the imported package is optional.
+LAZY_IMPORT_FILES = {"qtoolkit/cli.py"}
+LAZY_IMPORT_DIRS = ("qtoolkit/commands/",)
+OPTIONAL_PACKAGES = {"triton", "llama_cpp", "bitsandbytes", "lm_eval", "vllm", "sglang"}
+# every other import inside a function is counted; this number only goes down
+MAX_OTHER_LAZY_IMPORTS = 37
+
+
+def _files() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the three packages."""
+    out = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+MODULES = _files()
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.Module):
+    """(import node, inside a function?) for every import, TYPE_CHECKING blocks left out."""
+    def walk(body, in_function):
+        for node in body:
+            if isinstance(node, ast.If) and _is_type_checking(node):
+                yield from walk(node.orelse, in_function)
+                continue
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                yield node, in_function
+            inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                sub = getattr(node, field, None)
+                if isinstance(sub, list):
+                    yield from walk(sub, inner)
+    yield from walk(tree.body, False)
+
+
+def _targets(module: str, path: Path, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The dotted names an import reaches (absolute), before mapping them to our modules."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = node.module or ""
+    if node.level:
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        package = package[:len(package) - (node.level - 1)]
+        base = ".".join(package + ([base] if base else []))
+    return [base] + [f"{base}.{a.name}" for a in node.names]
+
+
+def _ours(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, path in MODULES.items():
+        for node, in_function in _imports(ast.parse(path.read_text())):
+            if in_function:
+                continue
+            for name in _targets(module, path, node):
+                target = _ours(name)
+                # a package's own __init__ is reached by importing any of its modules: not an edge
+                if target and target != module and not module.startswith(target + "."):
+                    graph[module].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle():
+    assert _cycles(_graph()) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_function_over_100_lines():
+    long = set()
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
+                    long.add(f"{_rel(path)}:{node.name}")
+    assert long - LONG_FUNCTIONS_ALLOWED == set()
+
+
+OUTSIDE = re.compile(r"MEASUREMENTS\.md|\.\./shared\b|(?<![\w.])/work/")
+
+
+def test_nothing_cites_a_file_outside_the_repository():
+    hits = []
+    for path in [*MODULES.values(), ROOT / "ARCHITECTURE.md", *sorted((ROOT / "recipes").rglob("*.yaml"))]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if OUTSIDE.search(line):
+                hits.append(f"{_rel(path)}:{n}: {line.strip()}")
+    assert hits == []
+
+
+def _needs_optional(module: str, path: Path) -> bool:
+    """Whether a module imports an optional package when it is imported (kernels/int4_matmul.py: triton)."""
+    return any(t.split(".")[0] in OPTIONAL_PACKAGES for node, in_function in _imports(ast.parse(path.read_text()))
+               if not in_function for t in _targets(module, path, node))
+
+
+def _optional(module: str, path: Path, node: ast.Import | ast.ImportFrom) -> bool:
+    for name in _targets(module, path, node):
+        ours = _ours(name)
+        if name.split(".")[0] in OPTIONAL_PACKAGES or (ours and _needs_optional(ours, MODULES[ours])):
+            return True
+    return False
+
+
+def _lazy_imports() -> list[str]:
+    out = []
+    for module, path in MODULES.items():
+        rel = _rel(path)
+        if rel in LAZY_IMPORT_FILES or rel.startswith(LAZY_IMPORT_DIRS):
+            continue
+        for node, in_function in _imports(ast.parse(path.read_text())):
+            if in_function and not _optional(module, path, node):
+                out.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_imports_inside_functions_are_capped():
+    lazy = _lazy_imports()
+    assert len(lazy) <= MAX_OTHER_LAZY_IMPORTS, "\n".join(lazy)
