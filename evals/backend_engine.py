@@ -13,7 +13,7 @@ class EngineBackend:
 
     def __init__(self, spec: str, kv_cache_memory: str = "1GiB", **_: Any):
         try:
-            from qtoolkit.engine import Engine, SamplingParams
+            from qtoolkit.engine import Engine, EngineConfig, SamplingParams
         except ImportError as e:
             raise BackendError(f"the qtoolkit engine is not available in this build ({e}): "
                                "use --backend hf") from None
@@ -21,7 +21,7 @@ class EngineBackend:
 
         self.source = resolve_model(spec)
         self._sampling = SamplingParams
-        self.engine = Engine(str(self.source.path), kv_cache_memory=kv_cache_memory)
+        self.engine = Engine(str(self.source.path), EngineConfig(kv_cache_memory=kv_cache_memory))
         self.tokenizer = self.engine.tokenizer
 
     def describe(self) -> dict[str, Any]:

@@ -171,14 +171,15 @@ def continuous_batching_ceiling(decode: list[dict[str, Any]], workload: str = "m
 def diagnose(model: str = "default", *, kv_cache_memory: str = "1GiB", dtype: str = "auto",
              batches: tuple[int, ...] = (1, 4, 16, 32), prompt_lengths: tuple[int, ...] = (64, 256, 1024),
              context: int = 1024, new_tokens: int = 32) -> dict[str, Any]:
-    from .engine import Engine
+    from .engine import Engine, EngineConfig
     from .engine.model_runner import kv_bytes_per_block
 
     status("measuring memory bandwidth and GEMM throughput")
     bandwidth = measure_bandwidth()
     gflops = measure_gemm_flops()
-    engine = Engine(model, kv_cache_memory=kv_cache_memory, dtype=dtype, enable_prefix_caching=False,
-                    max_num_seqs=max(batches), max_num_batched_tokens=max(max(prompt_lengths), 1024))
+    engine = Engine(model, EngineConfig(kv_cache_memory=kv_cache_memory, dtype=dtype, enable_prefix_caching=False,
+                                        max_num_seqs=max(batches),
+                                        max_num_batched_tokens=max(max(prompt_lengths), 1024)))
     vocab = engine.model.config.vocab_size
     sizes = model_bytes(engine.model)
     kv_per_token = kv_bytes_per_block(engine.model, 1)

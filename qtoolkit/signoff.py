@@ -247,20 +247,21 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
 
         def do_bench() -> None:
             from .ablation import bench_ablation
+            from .engine.config import EngineConfig
 
             repeat = ["baseline_static", "full_stack"]
             if policy.throughput.min_quantization_speedup is not None:
                 repeat.append("candidate_static")
             write_json(out / "bench.json", bench_ablation(
-                source.path, ckpt, concurrency=cfg.concurrency, num_requests=cfg.num_requests,
-                mean_output_tokens=cfg.mean_output_tokens, speculative=cfg.speculative, seed=cfg.seed,
+                source.path, ckpt, EngineConfig(speculative=cfg.speculative), concurrency=cfg.concurrency,
+                num_requests=cfg.num_requests, mean_output_tokens=cfg.mean_output_tokens, seed=cfg.seed,
                 rounds=cfg.rounds, repeat=tuple(repeat),
                 workload=custom_signoff.bench_workload(cfg.data, out / "eval.json")))
 
         from .ablation import BASE_SYSTEMS
 
         results["bench"] = steps.run("bench", {"candidate": cand_key, "baseline": source.sha256,
-                                               "systems": [s[0] for s in BASE_SYSTEMS],
+                                               "systems": [s.label for s in BASE_SYSTEMS],
                                                "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
                                                "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed,
                                                "speculative": cfg.speculative, "rounds": cfg.rounds,
