@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qtoolkit.engine import Engine, SamplingParams
+from qtoolkit.engine import Engine, EngineConfig, SamplingParams
 from qtoolkit.sources import resolve_model
 
 from .backend import GeneratedText, GenParams, Scored, scored_from_logprobs
@@ -16,7 +16,7 @@ class EngineBackend:
 
     def __init__(self, spec: str, kv_cache_memory: str = "1GiB", **_: Any):
         self.source = resolve_model(spec)
-        self.engine = Engine(str(self.source.path), kv_cache_memory=kv_cache_memory)
+        self.engine = Engine(str(self.source.path), EngineConfig(kv_cache_memory=kv_cache_memory))
         self.tokenizer = self.engine.tokenizer
 
     def describe(self) -> dict[str, Any]:

@@ -10,23 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from qtoolkit.evals.stats import ratio_over_rounds
 
+from .bench import requests_sha256, run_load, served_models, summarize, warm_up
+from .bench_loop import fresh_requests, measure_tier, repeat_rounds, requests_per_tier
+from .bench_systems import System
+from .engine.config import EngineConfig
 from .progress import status
-from .provenance import provenance, text_sha256
+from .provenance import provenance
+from .server.process import server_process
+from .workload_files import attach_length_probe, describe_workload
+from .workloads import build_workload
 
-# (system name, which model, batching, extra server args); order = stacking order
-BASE_SYSTEMS: list[tuple[str, str, str, list[str]]] = [
-    ("baseline_static", "baseline", "static", []),
-    ("baseline_continuous", "baseline", "continuous", []),
-    ("candidate_static", "candidate", "static", []),
-    ("candidate_continuous", "candidate", "continuous", []),
-]
+# order = stacking order
+BASE_SYSTEMS: list[System] = [System("static", quant="baseline"), System("continuous", quant="baseline"),
+                              System("static", quant="candidate"), System("continuous", quant="candidate")]
 STACK = ["baseline_static", "baseline_continuous", "baseline_continuous_spec", "candidate_continuous_spec"]
 LABELS = {
     "baseline_static": "baseline (static batching)",
@@ -39,14 +41,12 @@ ALONE = [("baseline_continuous", "continuous batching"), ("baseline_static_spec"
          ("candidate_static", "quantization")]
 
 
-def speculative_systems(speculative: str | None) -> list[tuple[str, str, str, list[str]]]:
+def speculative_systems(speculative: str | None) -> list[System]:
     """Systems with speculation, when the engine offers it (`qtool serve --speculative`)."""
     if not speculative:
         return []
-    args = ["--speculative", speculative]
-    return [("baseline_static_spec", "baseline", "static", args),
-            ("baseline_continuous_spec", "baseline", "continuous", args),
-            ("candidate_continuous_spec", "candidate", "continuous", args)]
+    return [System("static", speculative, "baseline"), System("continuous", speculative, "baseline"),
+            System("continuous", speculative, "candidate")]
 
 
 def full_stack_system(systems: list[str]) -> str:
@@ -54,89 +54,68 @@ def full_stack_system(systems: list[str]) -> str:
     return "candidate_continuous_spec" if "candidate_continuous_spec" in systems else "candidate_continuous"
 
 
-def fresh_requests(workload: str, n: int, used: list[Any], *, seed: int, mean_output_tokens: int,
-                   max_output_tokens: int) -> list[Any]:
-    """n requests whose prompts none of `used` had: a repeated prompt would be served from the prefix cache."""
-    from .workloads import build_workload
-
-    seen = {r.prompt for r in used}
-    pool = build_workload(workload, 4 * n + len(used), seed=seed, mean_output_tokens=mean_output_tokens,
-                          max_output_tokens=max_output_tokens)
-    fresh = []
-    for r in pool:
-        if r.prompt not in seen and len(fresh) < n:
-            seen.add(r.prompt)
-            fresh.append(r)
-    return fresh if len(fresh) == n else pool[:n]  # a tiny prompt pool: repeats are unavoidable
+def _start(stack: contextlib.ExitStack, systems: list[System], models: dict[str, str], engine: EngineConfig,
+           seed: int) -> dict[str, tuple[str, str]]:
+    """One warmed-up `qtool serve` per system; label -> (base URL, served model name)."""
+    urls = {}
+    for system in systems:
+        status(f"starting server {system.label}")
+        url = stack.enter_context(server_process(models[system.quant], system.engine_config(engine)))
+        served = asyncio.run(served_models(url))[0]
+        warm_up(url, served, seed=seed)
+        urls[system.label] = (url, served)
+    return urls
 
 
-def bench_ablation(baseline: str | Path, candidate: str | Path, *, concurrency: list[int],
-                   num_requests: int | None = None, mean_output_tokens: int = 48, max_output_tokens: int = 96,
-                   workload: Any = "mixed", speculative: str | None = None, seed: int = 0,
-                   kv_cache_memory: str = "1GiB", rounds: int = 1,
+def bench_ablation(baseline: str | Path, candidate: str | Path, engine: EngineConfig | None = None, *,
+                   concurrency: list[int], num_requests: int | None = None, mean_output_tokens: int = 48,
+                   max_output_tokens: int = 96, workload: Any = "mixed", seed: int = 0, rounds: int = 1,
                    repeat: tuple[str, ...] = ("baseline_static", "full_stack")) -> dict[str, Any]:
     """Every system on the same requests, tier by tier, alternating the order between tiers.
 
-    With rounds > 1 the systems in `repeat` ("full_stack" names the top of the stack) serve the top tier again,
-    rounds - 1 more times, each round on fresh requests and in alternating order: the throughput gates read the
-    spread of the per-round ratios, i.e. how much a rerun could move them."""
-    from .bench import requests_per_tier, run_load, served_models, summarize
-    from .server.process import server_process
-    from .workload_files import attach_length_probe, describe_workload
-    from .workloads import build_workload
-
-    systems = BASE_SYSTEMS + speculative_systems(speculative)
+    `engine` holds the servers' engine options; its proposer (`speculative`) is the speculative layer's, and
+    without one the layer is left out. With rounds > 1 the systems in `repeat` ("full_stack" names the top of
+    the stack) serve the top tier again, rounds - 1 more times, each round on fresh requests and in alternating
+    order: the throughput gates read the spread of the per-round ratios, i.e. how much a rerun could move them."""
+    # every server admits the top tier at once, whatever the caller's max_num_seqs
+    engine = (engine or EngineConfig()).replace(max_num_seqs=max(concurrency))
+    systems = BASE_SYSTEMS + speculative_systems(engine.speculative)
     models = {"baseline": str(baseline), "candidate": str(candidate)}
     sizes = [requests_per_tier(c, num_requests) for c in concurrency]
-    tiers = []
+    tiers, round_requests = [], []
     with contextlib.ExitStack() as stack:
-        urls: dict[str, tuple[str, str]] = {}
-        for name, which, batching, extra in systems:
-            status(f"starting server {name}")
-            url = stack.enter_context(server_process(models[which], batching=batching, max_num_seqs=max(concurrency),
-                                                     kv_cache_memory=kv_cache_memory, extra_args=extra))
-            served = asyncio.run(served_models(url))[0]
-            warm = build_workload("code", 2, seed=seed + 1, mean_output_tokens=4, max_output_tokens=8)
-            asyncio.run(run_load(url, served, warm, concurrency=2))
-            urls[name] = (url, served)
+        urls = _start(stack, systems, models, engine, seed)
+
+        def measure(label: str, reqs: list[Any], c: int, s: int) -> dict[str, Any]:
+            res, duration = asyncio.run(run_load(*urls[label], reqs, concurrency=c, seed=s))
+            return summarize(res, duration)
+
         # a workload file's lines without max_tokens: the baseline's answer lengths (workload_files.py)
         attach_length_probe(workload, *urls["baseline_static"], name="baseline_static")
         requests = build_workload(workload, sum(sizes), seed=seed, mean_output_tokens=mean_output_tokens,
                                   max_output_tokens=max_output_tokens)
         offset = 0
         for t, (c, n) in enumerate(zip(concurrency, sizes, strict=True)):
-            reqs = requests[offset:offset + n]
+            results = measure_tier(list(urls), requests[offset:offset + n], c, t, seed + t, measure)
             offset += n
-            order = list(urls) if t % 2 == 0 else list(reversed(urls))  # spread drift over all systems
-            results = {}
-            for name in order:
-                status(f"concurrency {c}: {n} requests against {name}")
-                url, served = urls[name]
-                res, duration = asyncio.run(run_load(url, served, reqs, concurrency=c, seed=seed + t))
-                results[name] = summarize(res, duration)
-            tiers.append({"concurrency": c, "num_requests": n, "results": {k: results[k] for k in urls}})
-        names, round_requests = list(urls), []
-        again = [full_stack_system(names) if x == "full_stack" else x for x in repeat]
-        again = [x for x in names if x in again]
+            tiers.append({"concurrency": c, "num_requests": n, "results": results})
+        again = [full_stack_system(list(urls)) if x == "full_stack" else x for x in repeat]
+        again = [x for x in urls if x in again]
         if rounds > 1 and again:
-            top, c, n = tiers[-1], concurrency[-1], sizes[-1]
-            top["rounds"] = {x: [top["results"][x]["output_tok_per_s"]] for x in again}
-            for r in range(1, rounds):
-                reqs = fresh_requests(workload, n, requests + round_requests, seed=seed + 100 + r,
+            def fresh(r: int) -> list[Any]:
+                reqs = fresh_requests(workload, sizes[-1], requests + round_requests, seed=seed + 100 + r,
                                       mean_output_tokens=mean_output_tokens, max_output_tokens=max_output_tokens)
-                round_requests += reqs
-                for name in (again if r % 2 == 0 else list(reversed(again))):
-                    status(f"concurrency {c}, round {r + 1}/{rounds}: {n} requests against {name}")
-                    url, served = urls[name]
-                    res, duration = asyncio.run(run_load(url, served, reqs, concurrency=c, seed=seed + r))
-                    top["rounds"][name].append(summarize(res, duration)["output_tok_per_s"])
-    workload_hash = text_sha256(json.dumps([[r.prompt, r.max_tokens] for r in requests]))
-    rounds_hash = text_sha256(json.dumps([[r.prompt, r.max_tokens] for r in round_requests]))
-    return {**provenance(baseline=models["baseline"], candidate=models["candidate"], workload_sha256=workload_hash,
-                         rounds_workload_sha256=rounds_hash),
-            "config": {"concurrency": concurrency, "workload": describe_workload(workload), "speculative": speculative,
-                       "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens,
-                       "seed": seed, "systems": [s[0] for s in systems], "rounds": rounds},
+                round_requests.extend(reqs)
+                return reqs
+
+            tiers[-1]["rounds"] = repeat_rounds(again, tiers[-1]["results"], rounds, fresh, concurrency[-1], seed,
+                                                measure)
+    return {**provenance(baseline=models["baseline"], candidate=models["candidate"],
+                         workload_sha256=requests_sha256(requests), rounds_workload_sha256=requests_sha256(round_requests)),
+            "config": {"concurrency": concurrency, "workload": describe_workload(workload),
+                       "speculative": engine.speculative, "mean_output_tokens": mean_output_tokens,
+                       "max_output_tokens": max_output_tokens, "seed": seed,
+                       "systems": [s.label for s in systems], "rounds": rounds},
             "tiers": tiers}
 
 

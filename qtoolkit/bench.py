@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -18,8 +20,27 @@ from typing import Any
 import httpx
 import numpy as np
 
+from .bench_loop import (
+    Measure,
+    fresh_requests,
+    measure_tier,
+    ratio_rounds,
+    repeat_rounds,
+    requests_per_tier,
+)
+from .bench_systems import ENDPOINT, HF, System, serve_systems
 from .bench_vllm import vllm_metrics, vllm_run_fields
-from .workloads import BenchRequest, arrival_offsets
+from .deployment import RETRY_STATUS, backoff_s
+from .engine.config import EngineConfig
+from .engine.params import SpeculativeUsage
+from .errors import QToolError
+from .progress import status
+from .provenance import provenance, text_sha256
+from .server.process import server_process
+from .sources import resolve_model
+from .spec_ceiling import prefill_share, scrape_speculative, speculation_ceiling, tier_delta
+from .workload_files import attach_length_probe, describe_workload
+from .workloads import BenchRequest, arrival_offsets, build_workload
 
 _REQUEST_TIMEOUT_S = 600.0
 STREAM_TRIES = 4  # a request refused with 429/503 is sent again up to this many times in all
@@ -35,7 +56,7 @@ class RequestResult:
     latency: float = 0.0  # seconds from send to the end of the stream
     itl: list[float] = field(default_factory=list)  # gaps between streamed chunks after the first
     error: str | None = None
-    speculative: dict[str, Any] | None = None  # the server's per-request speculative decoding figures, if any
+    speculative: SpeculativeUsage | None = None  # the server's per-request speculative decoding figures, if any
     status: int | None = None  # the HTTP status of a refused request
     retry_after: str | None = None  # its Retry-After header
     retries: int = 0  # 429/503 answers waited out before this result
@@ -64,8 +85,6 @@ def _chunk_text(choice: dict[str, Any]) -> str:
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], index: int) -> RequestResult:
     """One streamed request, sent again on 429/503 (Retry-After honoured, capped); the waits count in its TTFT
     and latency, as they would for a user."""
-    from .deployment import RETRY_STATUS, backoff_s
-
     start = time.perf_counter()
     for attempt in range(STREAM_TRIES):
         result = await _stream_once(client, url, body, index)
@@ -105,7 +124,8 @@ async def _stream_once(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                 if msg.get("usage"):
                     result.prompt_tokens = msg["usage"].get("prompt_tokens", 0)
                     result.output_tokens = msg["usage"].get("completion_tokens", 0)
-                    result.speculative = msg["usage"].get("speculative")
+                    if spec := msg["usage"].get("speculative"):
+                        result.speculative = SpeculativeUsage.from_dict(spec)
                 if any(_chunk_text(c) for c in msg.get("choices", [])):
                     now = time.perf_counter()
                     chunks += 1
@@ -185,15 +205,10 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
 
 
 def _speculative_summary(ok: list[RequestResult]) -> dict[str, Any]:
-    spec = [r.speculative for r in ok if r.speculative]
+    spec = [r.speculative for r in ok if r.speculative is not None]
     if not spec:
         return {}
-    drafted = sum(s["draft_tokens"] for s in spec)
-    accepted = sum(s["accepted_tokens"] for s in spec)
-    lengths = [s["mean_accepted_length"] for s in spec if s["mean_accepted_length"]]
-    return {"speculative": {"draft_tokens": drafted, "accepted_tokens": accepted,
-                            "acceptance_rate": accepted / drafted if drafted else 0.0,
-                            "mean_accepted_length": sum(lengths) / len(lengths) if lengths else 0.0}}
+    return {"speculative": sum(spec, SpeculativeUsage()).as_dict()}
 
 
 def normalize_endpoint(url: str) -> str:
@@ -216,9 +231,7 @@ def hf_generate_tier(model: Any, tokenizer: Any, requests: list[BenchRequest], b
 
     A batch runs until its longest request is done; only the tokens each request asked for count as output.
     """
-    import copy
-
-    import torch
+    import torch  # optional: only `--compare hf` runs transformers here
 
     # No EOS at all rather than min_new_tokens: its logits processor costs more than a small model's step.
     config = copy.deepcopy(model.generation_config)
@@ -242,7 +255,7 @@ def hf_generate_tier(model: Any, tokenizer: Any, requests: list[BenchRequest], b
 
 
 def load_hf(model_path: Any, dtype: str) -> tuple[Any, Any]:
-    import torch
+    import torch  # optional: only `--compare hf` loads transformers here
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
@@ -253,173 +266,258 @@ def load_hf(model_path: Any, dtype: str) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def warm_up(url: str, model: str, *, seed: int, api: str = "completions", ignore_eos: bool = True,
+            api_key: str | None = None) -> None:
+    """Two short requests: a server's first steps pay one-off costs, kept out of the figures."""
+    warm = build_workload("code", 2, seed=seed + 1, mean_output_tokens=4, max_output_tokens=8)
+    asyncio.run(run_load(url, model, warm, concurrency=2, api=api, ignore_eos=ignore_eos, api_key=api_key))
+
+
 # ---- one `qtool bench serve` run: systems x concurrency tiers, interleaved ---------------------------------------
-def requests_per_tier(concurrency: int, num_requests: int | None) -> int:
-    """Default: two waves of the tier's concurrency (at least 4, at most 64) to keep a CPU run to minutes."""
-    return num_requests if num_requests else min(max(4, 2 * concurrency), 64)
-
-
 def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
     if not a or not b or not b.get("output_tok_per_s") or a.get("failed") or b.get("failed"):
         return None
     return a["output_tok_per_s"] / b["output_tok_per_s"]
 
 
-def _update_tier(report: dict[str, Any], c: int, n: int, results: dict[str, Any],
+def _ratio_pairs(systems: list[System]) -> list[tuple[str, str, str]]:
+    """(ratio key, numerator, denominator): continuous over static, each speculative system over itself
+    without speculation."""
+    pairs = [("continuous_over_static", "continuous", "static")]
+    pairs += [(f"{s.label}_over_{s.plain.label}", s.label, s.plain.label) for s in systems if s.speculative]
+    return pairs
+
+
+def _tier_ratios(results: dict[str, Any], systems: list[System]) -> dict[str, float]:
+    ratios = {key: _ratio(results.get(a), results.get(b)) for key, a, b in _ratio_pairs(systems)}
+    ratios["engine_over_hf"] = _ratio(results.get("continuous") or results.get("static"), results.get(HF))
+    return {k: v for k, v in ratios.items() if v is not None}
+
+
+def _update_tier(report: dict[str, Any], systems: list[System], tier: dict[str, Any],
                  on_tier: Callable[[dict[str, Any]], None] | None) -> None:
-    """Record (or refresh) tier `c` with the systems measured so far and hand the report to `on_tier`."""
-    engine = results.get("continuous") or results.get("static")
-    ratios = {"continuous_over_static": _ratio(results.get("continuous"), results.get("static")),
-              "engine_over_hf": _ratio(engine, results.get("hf"))}
-    for name in results:  # "<mode>+<proposer>": speculation over the same server without it
-        if "+" in name:
-            ratios[f"{name}_over_{name.split('+')[0]}"] = _ratio(results[name], results.get(name.split("+")[0]))
-    tier = {"concurrency": c, "num_requests": n, **vllm_run_fields(c, n, report["config"].get("rate_qps")),
-            "results": dict(results),
-            "ratios": {k: v for k, v in ratios.items() if v is not None}}
+    """Record (or refresh) `tier` with the systems measured so far and hand the report to `on_tier`."""
+    tier["ratios"] = _tier_ratios(tier["results"], systems)
     tiers = report["tiers"]
-    if tiers and tiers[-1]["concurrency"] == c and tiers[-1]["num_requests"] == n:
+    if tiers and tiers[-1]["concurrency"] == tier["concurrency"] and tiers[-1]["num_requests"] == tier["num_requests"]:
         tiers[-1] = tier
     else:
         tiers.append(tier)
-    report["speculative_curve"] = _speculative_curve(report["tiers"])
+    report["speculative_curve"] = _speculative_curve(report["tiers"], systems)
     if on_tier is not None:
         on_tier(report)  # long CPU runs keep what they measured if stopped
 
 
-def _add_ceilings(results: dict[str, Any], concurrency: int, num_speculative_tokens: int) -> None:
+def _add_ceilings(results: dict[str, Any], systems: list[System], concurrency: int,
+                  num_speculative_tokens: int) -> None:
     """At concurrency 1: each speculative system's ceiling from its measured costs (see spec_ceiling)."""
-    from .spec_ceiling import prefill_share, speculation_ceiling
-
     if concurrency != 1:
         return
-    for name, res in results.items():
-        plain = results.get(name.split("+")[0])
-        share = prefill_share(plain) if plain else None
-        if "speculative_engine" in res and share is not None:
+    for s in systems:
+        res, plain = results.get(s.label), results.get(s.plain.label)
+        share = prefill_share(plain) if s.speculative and plain else None
+        if res and "speculative_engine" in res and share is not None:
             res["speculative_ceiling"] = speculation_ceiling(res["speculative_engine"], prefill_share=share,
                                                              num_speculative_tokens=num_speculative_tokens)
 
 
-def _speculative_curve(tiers: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Per speculative system: spec / no-spec output tok/s at each concurrency (the load-aware policy's curve)."""
+def _speculative_curve(tiers: list[dict[str, Any]], systems: list[System]) -> dict[str, list[dict[str, Any]]]:
+    """Per speculative system: spec / no-spec output tok/s at each concurrency (the load-aware policy's curve),
+    with its 95% interval over rounds when the run repeated them."""
     curve: dict[str, list[dict[str, Any]]] = {}
     for tier in tiers:
-        for key, value in tier["ratios"].items():
-            if "+" in key:
-                name = key.split("_over_")[0]
-                point = {"concurrency": tier["concurrency"], "speedup": value}
-                if ceiling := tier["results"][name].get("speculative_ceiling"):
-                    point["ceiling"] = ceiling["measured_acceptance"]["request_speedup"]
-                    point["ceiling_at_full_acceptance"] = ceiling["full_acceptance"]["request_speedup"]
-                curve.setdefault(name, []).append(point)
+        for s in systems:
+            key = f"{s.label}_over_{s.plain.label}"
+            if not s.speculative or key not in tier["ratios"]:
+                continue
+            point = {"concurrency": tier["concurrency"], "speedup": tier["ratios"][key]}
+            if (over_rounds := tier.get("ratios_rounds", {}).get(key)) is not None:
+                point["ci95"] = over_rounds["ci95"]
+            if ceiling := tier["results"][s.label].get("speculative_ceiling"):
+                point["ceiling"] = ceiling["measured_acceptance"]["request_speedup"]
+                point["ceiling_at_full_acceptance"] = ceiling["full_acceptance"]["request_speedup"]
+            curve.setdefault(s.label, []).append(point)
     return curve
 
 
-def bench_serve(model: str = "default", *, endpoint: str | None = None, concurrency: list[int] | None = None,
-                batching: list[str] | None = None, workload: Any = "mixed", rate: float | None = None,
-                num_requests: int | None = None, compare_hf: bool = False, seed: int = 0,
-                mean_output_tokens: int = 64, max_output_tokens: int = 128, api: str = "completions",
-                ignore_eos: bool = True, api_key: str | None = None, kv_cache_memory: str = "1GiB",
-                max_num_seqs: int = 64, dtype: str = "auto", speculative: list[str] | None = None,
-                num_speculative_tokens: int = 4, on_tier: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Measure every system on the same requests, tier by tier; returns the report (see `format_table`).
-
-    `on_tier(report)` is called after each measured system with the report so far (`complete` stays False until the end).
-    """
-    from .errors import QToolError
-    from .progress import status
-    from .provenance import provenance, text_sha256
-    from .spec_ceiling import scrape_speculative, tier_delta
-    from .workload_files import attach_length_probe, describe_workload
-    from .workloads import build_workload
-
-    concurrency = concurrency or [1, 4, 16, 32]
-    batching = [] if endpoint else (batching or ["continuous"])
+def _check_serve_args(endpoint: str | None, concurrency: list[int], compare_hf: bool, rounds: int,
+                      engine: EngineConfig) -> None:
     if any(c <= 0 for c in concurrency):
         raise QToolError(f"--concurrency takes positive integers, got {concurrency}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise QToolError(f"--rounds {rounds!r} is not a positive integer: pass 1 (no interval) or more")
     if endpoint and compare_hf:
         raise QToolError("--compare hf needs a local --model to load; drop --endpoint or --compare")
-    if not endpoint and max(concurrency) > max_num_seqs:
-        raise QToolError(f"concurrency {max(concurrency)} exceeds --max-num-seqs {max_num_seqs}: raise it")
-    sizes = [requests_per_tier(c, num_requests) for c in concurrency]
-    source = None
-    if not endpoint:
-        from .sources import resolve_model
+    if not endpoint and max(concurrency) > engine.max_num_seqs:
+        raise QToolError(f"concurrency {max(concurrency)} exceeds --max-num-seqs {engine.max_num_seqs}: raise it")
 
-        source = resolve_model(model)
 
-    from .server.process import server_process
+def _endpoint_model(url: str, model: str, api_key: str | None) -> str:
+    """The model name to send to someone's endpoint: `model` if it serves it, its only one for `default`."""
+    try:
+        names = asyncio.run(served_models(url, api_key))
+    except httpx.HTTPError as e:
+        raise QToolError(f"cannot list models at {url} ({type(e).__name__}: {e}): check the URL and --api-key") \
+            from None
+    if model in names:
+        return model
+    if model != "default" or not names:
+        raise QToolError(f"the endpoint serves {names}, not {model!r}: pass one of them as --model")
+    return names[0]
 
+
+def _start_servers(stack: contextlib.ExitStack, model: str, systems: list[System],
+                   engine: EngineConfig) -> dict[str, str]:
+    """One `qtool serve` subprocess per system, stopped when `stack` closes; label -> base URL."""
+    urls = {}
+    for s in systems:
+        status(f"starting a {s.batching}-batching server for {model}"
+               + (f" with --speculative {s.speculative}" if s.speculative else ""))
+        urls[s.label] = stack.enter_context(server_process(model, s.engine_config(engine)))
+    return urls
+
+
+def _measurer(urls: dict[str, str], systems: list[System], model: str, *, rate: float | None, api: str,
+              ignore_eos: bool, api_key: str | None) -> Measure:
+    """How one system serves one batch of requests: the load generator's summary, plus, for a speculative
+    system, what its engine did meanwhile (two /metrics scrapes differenced)."""
+    speculative = {s.label for s in systems if s.speculative}
+
+    def measure(label: str, reqs: list[BenchRequest], concurrency: int, seed: int) -> dict[str, Any]:
+        before = scrape_speculative(urls[label], api_key) if label in speculative else None
+        res, duration = asyncio.run(run_load(urls[label], model, reqs, concurrency=concurrency, rate=rate,
+                                             seed=seed, api=api, ignore_eos=ignore_eos, api_key=api_key))
+        summary = summarize(res, duration)
+        if label in speculative and (engine := tier_delta(before, scrape_speculative(urls[label], api_key))):
+            summary["speculative_engine"] = engine
+        return summary
+
+    return measure
+
+
+def bench_serve(model: str = "default", engine: EngineConfig | None = None, *, endpoint: str | None = None,
+                concurrency: list[int] | None = None, batching: list[str] | None = None,
+                speculative: list[str] | None = None, workload: Any = "mixed", rate: float | None = None,
+                num_requests: int | None = None, compare_hf: bool = False, seed: int = 0,
+                mean_output_tokens: int = 64, max_output_tokens: int = 128, api: str = "completions",
+                ignore_eos: bool = True, api_key: str | None = None, rounds: int = 1,
+                on_tier: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Measure every system on the same requests, tier by tier; returns the report (see `format_table`).
+
+    `engine` holds the started servers' engine options; each system sets its own batching mode and proposer
+    (`batching` x [no speculation, *`speculative`]). With rounds > 1 each tier is served again on fresh requests,
+    rounds - 1 more times, interleaved, and every ratio gets a 95% interval over the rounds.
+    `on_tier(report)` is called after each measured system with the report so far (`complete` stays False until
+    the end)."""
+    engine = engine or EngineConfig()
+    concurrency = concurrency or [1, 4, 16, 32]
+    _check_serve_args(endpoint, concurrency, compare_hf, rounds, engine)
+    systems = [System(kind=ENDPOINT)] if endpoint else serve_systems(batching or ["continuous"], speculative or [])
+    source = None if endpoint else resolve_model(model)
     with contextlib.ExitStack() as stack:
-        systems: dict[str, str] = {}
         if endpoint:
-            systems["endpoint"] = normalize_endpoint(endpoint)
-            try:
-                names = asyncio.run(served_models(systems["endpoint"], api_key))
-            except httpx.HTTPError as e:
-                raise QToolError(f"cannot list models at {endpoint} ({type(e).__name__}: {e}): check the URL "
-                                 "and --api-key") from None
-            if model not in names:
-                if model != "default" or not names:
-                    raise QToolError(f"the endpoint serves {names}, not {model!r}: pass one of them as --model")
-                model = names[0]
+            urls = {ENDPOINT: normalize_endpoint(endpoint)}
+            model = _endpoint_model(urls[ENDPOINT], model, api_key)
         else:
-            for mode in batching:
-                status(f"starting a {mode}-batching server for {model}")
-                systems[mode] = stack.enter_context(server_process(
-                    model, batching=mode, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, dtype=dtype))
-                for proposer in speculative or []:  # the same server with speculation, one per proposer
-                    status(f"starting a {mode}-batching server for {model} with --speculative {proposer}")
-                    systems[f"{mode}+{proposer}"] = stack.enter_context(server_process(
-                        model, batching=mode, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                        dtype=dtype, extra_args=["--speculative", proposer,
-                                                 "--num-speculative-tokens", str(num_speculative_tokens)]))
-        for url in systems.values():  # first steps pay one-off costs; keep them out of the figures
-            warm = build_workload("code", 2, seed=seed + 1, mean_output_tokens=4, max_output_tokens=8)
-            asyncio.run(run_load(url, model, warm, concurrency=2, api=api, ignore_eos=ignore_eos, api_key=api_key))
-        first = next(iter(systems))  # a workload file's lines without max_tokens: their answer length here
-        attach_length_probe(workload, systems[first], model, name=first, api_key=api_key)
-        all_requests = build_workload(workload, sum(sizes), seed=seed, mean_output_tokens=mean_output_tokens,
-                                      max_output_tokens=max_output_tokens)
-        hf = load_hf(source.path, dtype) if compare_hf else None
-        if hf is not None:
-            hf_generate_tier(*hf, build_workload("code", 1, seed=seed + 1, mean_output_tokens=4,
-                                                 max_output_tokens=8), 1)
-
-        config = {"model": model, "endpoint": endpoint, "systems": list(systems) + (["hf"] if hf else []),
+            urls = _start_servers(stack, model, systems, engine)
+        for url in urls.values():
+            warm_up(url, model, seed=seed, api=api, ignore_eos=ignore_eos, api_key=api_key)
+        first = next(iter(urls))  # a workload file's lines without max_tokens: their answer length here
+        attach_length_probe(workload, urls[first], model, name=first, api_key=api_key)
+        run = _ServeRun(systems, _measurer(urls, systems, model, rate=rate, api=api, ignore_eos=ignore_eos,
+                                           api_key=api_key),
+                        workload, seed, mean_output_tokens, max_output_tokens, rounds, on_tier,
+                        engine.num_speculative_tokens)
+        requests = run.build_requests(concurrency, num_requests)
+        hf = _load_hf_warm(source, engine.dtype, seed) if compare_hf else None
+        config = {"model": model, "endpoint": endpoint, "systems": list(urls) + ([HF] if hf else []),
                   "concurrency": concurrency, "workload": describe_workload(workload), "rate_qps": rate, "seed": seed,
                   "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens, "api": api,
-                  "ignore_eos": ignore_eos, "kv_cache_memory": kv_cache_memory, "max_num_seqs": max_num_seqs,
-                  "dtype": dtype, "speculative": speculative or [],
-                  "num_speculative_tokens": num_speculative_tokens, "hf_note": "HF runs the tier's requests offline in static batches of the "
-                                             "tier's concurrency (no arrivals); only requested tokens count"}
-        workload_hash = text_sha256(json.dumps([[r.prompt, r.max_tokens] for r in all_requests]))
+                  "ignore_eos": ignore_eos, "kv_cache_memory": engine.kv_cache_memory,
+                  "max_num_seqs": engine.max_num_seqs, "dtype": engine.dtype, "speculative": speculative or [],
+                  "num_speculative_tokens": engine.num_speculative_tokens, "rounds": rounds,
+                  "engine": dataclasses.asdict(engine),
+                  "hf_note": "HF runs the tier's requests offline in static batches of the tier's concurrency "
+                             "(no arrivals); only requested tokens count"}
         prov = provenance(model=source.describe() if source else {"name": model, "endpoint": endpoint},
-                          workload_sha256=workload_hash)
+                          workload_sha256=requests_sha256(requests))
         report = {**prov, "config": config, "complete": False, "tiers": []}
-        offset = 0
-        for t, (c, n) in enumerate(zip(concurrency, sizes, strict=True)):
-            reqs = all_requests[offset:offset + n]
-            offset += n
-            order = list(systems) if t % 2 == 0 else list(reversed(systems))  # alternate to spread drift
-            results: dict[str, Any] = {}
-            for name in order:
-                status(f"concurrency {c}: {n} requests against {name}")
-                before = scrape_speculative(systems[name], api_key) if "+" in name else None
-                res, duration = asyncio.run(run_load(systems[name], model, reqs, concurrency=c, rate=rate,
-                                                     seed=seed + t, api=api, ignore_eos=ignore_eos, api_key=api_key))
-                results[name] = summarize(res, duration)
-                if "+" in name and (engine := tier_delta(before, scrape_speculative(systems[name], api_key))):
-                    results[name]["speculative_engine"] = engine
-                _add_ceilings(results, c, num_speculative_tokens)
-                _update_tier(report, c, n, results, on_tier)
-            if hf is not None:
-                status(f"concurrency {c}: {n} requests through HF generate (static batches of {c})")
-                results["hf"] = hf_generate_tier(*hf, reqs, c)
-                _update_tier(report, c, n, results, on_tier)
+        run.measure_tiers(report, hf)
+    if rounds > 1:
+        report["inputs"]["rounds_workload_sha256"] = requests_sha256(run.round_requests)
     report["complete"] = True
     return report
+
+
+def requests_sha256(requests: list[BenchRequest]) -> str:
+    return text_sha256(json.dumps([[r.prompt, r.max_tokens] for r in requests]))
+
+
+def _load_hf_warm(source: Any, dtype: str, seed: int) -> tuple[Any, Any]:
+    hf = load_hf(source.path, dtype)
+    hf_generate_tier(*hf, build_workload("code", 1, seed=seed + 1, mean_output_tokens=4, max_output_tokens=8), 1)
+    return hf
+
+
+@dataclasses.dataclass
+class _ServeRun:
+    """One bench serve run's tiers: the systems, how one is measured, the requests and the rounds."""
+
+    systems: list[System]
+    measure: Measure
+    workload: Any
+    seed: int
+    mean_output_tokens: int
+    max_output_tokens: int
+    rounds: int
+    on_tier: Callable[[dict[str, Any]], None] | None
+    num_speculative_tokens: int
+    tiers: list[tuple[int, list[BenchRequest]]] = dataclasses.field(default_factory=list)
+    requests: list[BenchRequest] = dataclasses.field(default_factory=list)
+    round_requests: list[BenchRequest] = dataclasses.field(default_factory=list)
+
+    def build_requests(self, concurrency: list[int], num_requests: int | None) -> list[BenchRequest]:
+        sizes = [requests_per_tier(c, num_requests) for c in concurrency]
+        requests = build_workload(self.workload, sum(sizes), seed=self.seed,
+                                  mean_output_tokens=self.mean_output_tokens, max_output_tokens=self.max_output_tokens)
+        offset = 0
+        for c, n in zip(concurrency, sizes, strict=True):
+            self.tiers.append((c, requests[offset:offset + n]))
+            offset += n
+        self.requests = requests
+        return requests
+
+    def fresh(self, t: int, n: int) -> Callable[[int], list[BenchRequest]]:
+        def draw(r: int) -> list[BenchRequest]:
+            reqs = fresh_requests(self.workload, n, self.requests + self.round_requests,
+                                  seed=self.seed + 100 * (t + 1) + r, mean_output_tokens=self.mean_output_tokens,
+                                  max_output_tokens=self.max_output_tokens)
+            self.round_requests += reqs
+            return reqs
+        return draw
+
+    def measure_tiers(self, report: dict[str, Any], hf: tuple[Any, Any] | None) -> None:
+        labels = [s.label for s in self.systems]
+        for t, (c, reqs) in enumerate(self.tiers):
+            tier = {"concurrency": c, "num_requests": len(reqs),
+                    **vllm_run_fields(c, len(reqs), report["config"].get("rate_qps")), "results": {}}
+
+            def on_result(results: dict[str, Any], tier: dict[str, Any] = tier, c: int = c) -> None:
+                _add_ceilings(results, self.systems, c, self.num_speculative_tokens)
+                tier["results"] = dict(results)
+                _update_tier(report, self.systems, tier, self.on_tier)
+
+            results = measure_tier(labels, reqs, c, t, self.seed + t, self.measure, on_result)
+            if self.rounds > 1:
+                tier["rounds"] = repeat_rounds(labels, results, self.rounds, self.fresh(t, len(reqs)), c,
+                                               self.seed + t, self.measure)
+                tier["ratios_rounds"] = {key: r for key, a, b in _ratio_pairs(self.systems)
+                                         if (r := ratio_rounds(tier["rounds"], a, b)) is not None}
+                _update_tier(report, self.systems, tier, self.on_tier)
+            if hf is not None:
+                status(f"concurrency {c}: {len(reqs)} requests through HF generate (static batches of {c})")
+                tier["results"][HF] = hf_generate_tier(*hf, reqs, c)
+                _update_tier(report, self.systems, tier, self.on_tier)
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -437,7 +535,8 @@ def format_table(report: dict[str, Any]) -> str:
                          f"{r['output_tok_per_s']:>11.1f}{r['requests_per_s']:>8.2f}{lat[0]:>17}{lat[1]:>17}"
                          f"{lat[2]:>16}")
         for k, v in tier["ratios"].items():
-            lines.append(f"{'':<16}{k} = {v:.2f}x")
+            over_rounds = tier.get("ratios_rounds", {}).get(k)
+            lines.append(f"{'':<16}{k} = {v:.2f}x" + (_rounds_text(over_rounds) if over_rounds else ""))
         for name, r in tier["results"].items():
             if (e := r.get("speculative_engine")) is not None:
                 lines.append(f"{'':<16}{name}: drafted {e['draft_tokens']}, accepted {e['accepted_tokens']} "
@@ -450,3 +549,10 @@ def format_table(report: dict[str, Any]) -> str:
                              f"(k={m['best_k']}), at acceptance 1 {f['request_speedup']:.2f}x (k={f['best_k']}); "
                              f"prefill is {cl['prefill_share']:.0%} of a request")
     return "\n".join(lines)
+
+
+def _rounds_text(over_rounds: dict[str, Any]) -> str:
+    """A ratio's figure over rounds: geometric mean and 95% interval (none from one round)."""
+    ci = over_rounds.get("ci95")
+    interval = f", 95% CI [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+    return f"; over {over_rounds['rounds']} rounds {over_rounds['ratio']:.2f}x{interval}"

@@ -15,6 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+from .engine import Engine, EngineConfig, SamplingParams
 from .errors import QToolError
 
 PROMPT = 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
@@ -24,9 +28,7 @@ Decoder = Callable[[int], list[float]]
 
 
 def engine_decoder(model: str, dtype: str, threads: int) -> tuple[Decoder, dict[str, Any]]:
-    from .engine import Engine, SamplingParams
-
-    engine = Engine(model, dtype=dtype, kv_cache_memory="256MiB")
+    engine = Engine(model, EngineConfig(dtype=dtype, kv_cache_memory="256MiB"))
 
     def run(n: int) -> list[float]:
         engine.add_request("decode-bench", PROMPT, SamplingParams(max_tokens=n, ignore_eos=True))
@@ -63,8 +65,6 @@ def llama_cpp_decoder(gguf: Path, threads: int) -> tuple[Decoder, dict[str, Any]
 
 
 def hf_decoder(folder: Path, dtype: str) -> tuple[Decoder, dict[str, Any]]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     tok = AutoTokenizer.from_pretrained(folder)
@@ -72,8 +72,6 @@ def hf_decoder(folder: Path, dtype: str) -> tuple[Decoder, dict[str, Any]]:
     ids = tok(PROMPT, return_tensors="pt").input_ids
 
     def run(n: int) -> list[float]:
-        from transformers import TextStreamer
-
         stamps: list[float] = []
 
         class Stamper(TextStreamer):

@@ -9,17 +9,15 @@ back: the throughput gate judges the spread of the per-round ratios, as it does 
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import asdict
 from typing import Any
 
 from qtoolkit.evals.stats import ratio_over_rounds
 
-from .ablation import fresh_requests
-from .bench import requests_per_tier, run_load, summarize
+from .bench import requests_sha256, run_load, summarize, warm_up
+from .bench_loop import fresh_requests, measure_tier, repeat_rounds, requests_per_tier
 from .deployment import Deployment, EndpointInfo
-from .progress import status
-from .provenance import provenance, text_sha256
+from .provenance import provenance
 from .workloads import build_workload
 
 ROLES = ("baseline", "candidate")
@@ -41,35 +39,28 @@ def bench_deployments(deps: dict[str, Deployment], infos: dict[str, EndpointInfo
     requests = build_workload(workload, sum(sizes), seed=seed, mean_output_tokens=mean_output_tokens,
                               max_output_tokens=max_output_tokens)
     for role in ROLES:  # first requests pay one-off costs (the same warm-up as `qtool bench serve`)
-        warm = build_workload("code", 2, seed=seed + 1, mean_output_tokens=4, max_output_tokens=8)
-        asyncio.run(run_load(infos[role].url, infos[role].model_id, warm, concurrency=2, ignore_eos=ignore_eos,
-                             api_key=deps[role].api_key()))
+        warm_up(infos[role].url, infos[role].model_id, seed=seed, ignore_eos=ignore_eos, api_key=deps[role].api_key())
+
+    def measure(role: str, reqs: list[Any], c: int, s: int) -> dict[str, Any]:
+        return _measure(deps[role], infos[role], reqs, c, s, ignore_eos)
+
     tiers, offset = [], 0
     for t, (c, n) in enumerate(zip(concurrency, sizes, strict=True)):
-        reqs = requests[offset:offset + n]
+        results = measure_tier(ROLES, requests[offset:offset + n], c, t, seed + t, measure)
         offset += n
-        results = {}
-        for role in ROLES if t % 2 == 0 else ROLES[::-1]:  # alternate to spread drift over both
-            status(f"concurrency {c}: {n} requests against the {role} endpoint {infos[role].url}")
-            results[role] = _measure(deps[role], infos[role], reqs, c, seed + t, ignore_eos)
-        tiers.append({"concurrency": c, "num_requests": n, "results": {r: results[r] for r in ROLES}})
+        tiers.append({"concurrency": c, "num_requests": n, "results": results})
     round_requests: list[Any] = []
     if rounds > 1:
-        top, c, n = tiers[-1], concurrency[-1], sizes[-1]
-        top["rounds"] = {r: [top["results"][r]["output_tok_per_s"]] for r in ROLES}
-        for k in range(1, rounds):
-            reqs = fresh_requests(workload, n, requests + round_requests, seed=seed + 100 + k,
+        def fresh(k: int) -> list[Any]:
+            reqs = fresh_requests(workload, sizes[-1], requests + round_requests, seed=seed + 100 + k,
                                   mean_output_tokens=mean_output_tokens, max_output_tokens=max_output_tokens)
-            round_requests += reqs
-            for role in ROLES if k % 2 == 0 else ROLES[::-1]:
-                status(f"concurrency {c}, round {k + 1}/{rounds}: {n} requests against the {role} endpoint")
-                top["rounds"][role].append(_measure(deps[role], infos[role], reqs, c, seed + k,
-                                                    ignore_eos)["output_tok_per_s"])
-    workload_hash = text_sha256(json.dumps([[r.prompt, r.max_tokens] for r in requests]))
+            round_requests.extend(reqs)
+            return reqs
+
+        tiers[-1]["rounds"] = repeat_rounds(ROLES, tiers[-1]["results"], rounds, fresh, concurrency[-1], seed, measure)
     return {**provenance(candidate=infos["candidate"].url, baseline=infos["baseline"].url,
-                         workload_sha256=workload_hash,
-                         rounds_workload_sha256=text_sha256(json.dumps([[r.prompt, r.max_tokens]
-                                                                        for r in round_requests]))),
+                         workload_sha256=requests_sha256(requests),
+                         rounds_workload_sha256=requests_sha256(round_requests)),
             "config": {"concurrency": concurrency, "num_requests": num_requests, "workload": workload,
                        "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens,
                        "seed": seed, "rounds": rounds, "ignore_eos": ignore_eos, "api": "completions"},

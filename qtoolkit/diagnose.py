@@ -22,7 +22,7 @@ from .diagnose_result import (
     PrefillRow,
     Roofline,
 )
-from .engine import Engine, SamplingParams
+from .engine import Engine, EngineConfig, SamplingParams
 from .engine.model_runner import kv_bytes_per_block
 from .kernels.roofline import measure_bandwidth, measure_gemm_flops
 from .progress import bar, status
@@ -155,8 +155,9 @@ def diagnose(model: str = "default", *, kv_cache_memory: str = "1GiB", dtype: st
     status("measuring memory bandwidth and GEMM throughput")
     bandwidth = measure_bandwidth()
     gflops = measure_gemm_flops()
-    engine = Engine(model, kv_cache_memory=kv_cache_memory, dtype=dtype, enable_prefix_caching=False,
-                    max_num_seqs=max(batches), max_num_batched_tokens=max(max(prompt_lengths), 1024))
+    engine = Engine(model, EngineConfig(kv_cache_memory=kv_cache_memory, dtype=dtype, enable_prefix_caching=False,
+                                        max_num_seqs=max(batches),
+                                        max_num_batched_tokens=max(max(prompt_lengths), 1024)))
     vocab = engine.model.config.vocab_size
     sizes = model_bytes(engine.model)
     kv_per_token = kv_bytes_per_block(engine.model, 1)

@@ -87,7 +87,35 @@ def plot_bench(data: dict[str, Any]) -> dict[str, str | None]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         plots[key.removesuffix("_ms").replace("median_", "")] = _png(fig)
+    if ratios := _bench_ratios_over_rounds(tiers):
+        plots["ratios"] = ratios
     return plots
+
+
+def _bench_ratios_over_rounds(tiers: list[dict[str, Any]]) -> str | None:
+    """`bench serve --rounds N`: each ratio per concurrency with its 95% interval over the rounds."""
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[int, float, list[float] | None]]] = {}
+    for tier in tiers:
+        for key, r in (tier.get("ratios_rounds") or {}).items():
+            series.setdefault(key, []).append((tier["concurrency"], r["ratio"], r.get("ci95")))
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for key, pts in series.items():
+        xs = [c for c, _, _ in pts]
+        ys = [v for _, v, _ in pts]
+        err = [[v - ci[0] if ci else 0.0 for _, v, ci in pts], [ci[1] - v if ci else 0.0 for _, v, ci in pts]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=key)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("ratio of output tokens/s")
+    ax.set_title("Ratios over rounds, 95% CI")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _png(fig)
 
 
 def plot_file(path: str | Path, output: str | Path | None = None) -> list[Path]:

@@ -16,6 +16,7 @@ from . import custom_signoff
 from . import gates as verdicts
 from .ablation import BASE_SYSTEMS, ablation_table, bench_ablation
 from .diagnose import diagnose
+from .engine.config import EngineConfig
 from .errors import QToolError
 from .evals.custom import custom_tasks
 from .evals.runner import EvalConfig, evaluate
@@ -151,12 +152,13 @@ class _Run:
         def do_bench() -> None:
             repeat = ["baseline_static", "full_stack"] + (["candidate_static"] if quantization_gate else [])
             write_json(out / "bench.json", bench_ablation(
-                self.source.path, out / "checkpoint", concurrency=cfg.concurrency, num_requests=cfg.num_requests,
-                mean_output_tokens=cfg.mean_output_tokens, speculative=cfg.speculative, seed=cfg.seed,
+                self.source.path, out / "checkpoint", EngineConfig(speculative=cfg.speculative),
+                concurrency=cfg.concurrency, num_requests=cfg.num_requests,
+                mean_output_tokens=cfg.mean_output_tokens, seed=cfg.seed,
                 rounds=cfg.rounds, repeat=tuple(repeat),
                 workload=custom_signoff.bench_workload(cfg.data, out / "eval.json")))
 
-        inputs = {"candidate": cand_key, "baseline": self.source.sha256, "systems": [s[0] for s in BASE_SYSTEMS],
+        inputs = {"candidate": cand_key, "baseline": self.source.sha256, "systems": [s.label for s in BASE_SYSTEMS],
                   "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
                   "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed, "speculative": cfg.speculative,
                   "rounds": cfg.rounds, "quantization_gate": quantization_gate, **({"data": data} if data else {})}

@@ -18,9 +18,11 @@ import asyncio
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from .engine.params import SpeculativeUsage
 from .engine.speculative.policy import SpeculationPolicy
+from .engine.stats import SpeculativeStats
+from .server.metrics import parse_speculative
 
 
 async def _get_metrics(base_url: str, api_key: str | None) -> str | None:
@@ -33,59 +35,36 @@ async def _get_metrics(base_url: str, api_key: str | None) -> str | None:
     return resp.text if resp.status_code == 200 else None
 
 
-def parse_speculative(text: str) -> dict[str, Any] | None:
-    """The qtool_spec_* samples of one scrape; None when the server does not speculate (or is not ours)."""
-    out: dict[str, Any] = {"position": {}}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            name = s.name.removesuffix("_total")  # totals are counters, exposed as NAME_total
-            if not name.startswith("qtool_spec_"):
-                continue
-            labels = s.labels
-            if name == "qtool_spec_position_tokens":
-                out["position"][(int(labels["position"]), labels["outcome"])] = s.value
-            elif name == "qtool_spec_seconds":
-                out[f"{labels['phase']}_seconds"] = s.value
-            elif name == "qtool_spec_decode_steps":
-                out[f"{labels['kind']}_steps"] = s.value
-            elif not labels:
-                out[name.removeprefix("qtool_spec_")] = s.value
-    # the labelled samples appear once the engine has reported speculation; a plain server shows zeros only
-    return out if "verify_seconds" in out else None
-
-
-def scrape_speculative(base_url: str, api_key: str | None = None) -> dict[str, Any] | None:
+def scrape_speculative(base_url: str, api_key: str | None = None) -> SpeculativeStats | None:
     text = asyncio.run(_get_metrics(base_url, api_key))
     return parse_speculative(text) if text else None
 
 
-def tier_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+def tier_delta(before: SpeculativeStats | None, after: SpeculativeStats | None) -> dict[str, Any] | None:
     """Engine-side speculation over one tier: counters differenced, the policy's cost estimates as at its end."""
-    if not after:
+    if after is None:
         return None
-    before = before or {"position": {}}
-
-    def d(key: str) -> float:
-        return after.get(key, 0.0) - before.get(key, 0.0)
-
-    positions = sorted({p for p, _ in after["position"]})
+    before = before or SpeculativeStats()
     by_position = []
-    for p in positions:
-        proposed = after["position"].get((p, "proposed"), 0) - before["position"].get((p, "proposed"), 0)
-        accepted = after["position"].get((p, "accepted"), 0) - before["position"].get((p, "accepted"), 0)
+    for i, (proposed, accepted) in enumerate(zip(after.proposed_at, after.accepted_at, strict=True)):
+        proposed -= before.proposed_at[i] if i < len(before.proposed_at) else 0
+        accepted -= before.accepted_at[i] if i < len(before.accepted_at) else 0
         if proposed > 0:
             by_position.append(round(accepted / proposed, 4))
-    drafted, accepted = d("draft_tokens"), d("accepted_tokens")
-    propose, verify = d("propose_seconds"), d("verify_seconds")
-    return {"draft_tokens": int(drafted), "accepted_tokens": int(accepted),
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
+    usage = SpeculativeUsage(after.draft_tokens - before.draft_tokens, after.accepted_tokens - before.accepted_tokens,
+                             after.verify_steps - before.verify_steps)
+    propose = after.proposer_seconds - before.proposer_seconds
+    verify = after.verify_seconds - before.verify_seconds
+    return {"draft_tokens": usage.draft_tokens, "accepted_tokens": usage.accepted_tokens,
+            "acceptance_rate": usage.acceptance_rate,
             "acceptance_by_position": by_position,
-            "verifications": int(d("verifications")),
-            "speculative_steps": int(d("speculative_steps")), "plain_steps": int(d("plain_steps")),
+            "verifications": usage.verify_steps,
+            "speculative_steps": after.steps_with_speculation - before.steps_with_speculation,
+            "plain_steps": after.steps_without_speculation - before.steps_without_speculation,
             "proposer_seconds": round(propose, 4), "verify_seconds": round(verify, 4),
             "proposer_share": round(propose / (propose + verify), 4) if propose + verify > 0 else 0.0,
-            "draft_cost_ratio": round(after.get("draft_cost_ratio", 0.0), 4),
-            "verify_cost_per_token": round(after.get("verify_cost_per_token", 0.0), 4)}
+            "draft_cost_ratio": round(after.draft_cost_ratio, 4),
+            "verify_cost_per_token": round(after.verify_cost_per_token, 4)}
 
 
 def speculation_ceiling(engine: dict[str, Any], *, num_speculative_tokens: int,

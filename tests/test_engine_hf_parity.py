@@ -69,7 +69,7 @@ def test_batch_of_32_mixed_matches_transformers(default_source, prompts, hf_refe
     check(outs, [hf_reference[i % NUM_DISTINCT] for i in range(2 * NUM_DISTINCT)], lengths)
     stats = engine.stats()
     if kv_cache_memory == "24MiB":
-        assert stats["num_preemptions"] > 0
+        assert stats.num_preemptions > 0
     else:
-        assert stats["num_preemptions"] == 0
-    assert stats["kv_blocks_used"] == 0
+        assert stats.num_preemptions == 0
+    assert stats.kv_blocks_used == 0

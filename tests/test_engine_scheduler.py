@@ -48,8 +48,8 @@ def test_preemption_by_recompute_gives_identical_outputs(sharp_dir, reference):
     small = make(sharp_dir, blocks=24, max_num_batched_tokens=32)
     assert run(small) == reference
     stats = small.stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats.num_preemptions > 0
+    assert stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
 
 
 def test_chunked_prefill_gives_identical_outputs(sharp_dir, reference):
@@ -82,7 +82,7 @@ def test_continuous_batching_admits_new_requests_every_step(sharp_dir):
     engine.add_request("late", "x y", SamplingParams(max_tokens=2, ignore_eos=True))
     outs = engine.step()
     assert {o.request_id for o in outs} == {"long", "late"}
-    assert engine.stats()["num_running"] == 2
+    assert engine.stats().num_running == 2
 
 
 def test_prefix_cache_reuses_blocks_without_changing_output(sharp_dir):
@@ -90,9 +90,9 @@ def test_prefix_cache_reuses_blocks_without_changing_output(sharp_dir):
     prompt = PROMPTS[0] * 3
     p = SamplingParams(max_tokens=6, ignore_eos=True)
     first = engine.generate([prompt], p, use_tqdm=False)[0]
-    hits_before = engine.stats()["prefix_cache_hit_tokens"]
+    hits_before = engine.stats().prefix_cache_hit_tokens
     second = engine.generate([prompt], p, use_tqdm=False)[0]
-    assert engine.stats()["prefix_cache_hit_tokens"] - hits_before >= len(engine.tokenizer(prompt).input_ids) - 4
+    assert engine.stats().prefix_cache_hit_tokens - hits_before >= len(engine.tokenizer(prompt).input_ids) - 4
     assert second.token_ids == first.token_ids
     off = make(sharp_dir, enable_prefix_caching=False).generate([prompt], p, use_tqdm=False)[0]
     assert off.token_ids == first.token_ids
@@ -130,7 +130,7 @@ def test_abort_frees_blocks_and_reports(sharp_dir):
     engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()
-    assert engine.stats()["kv_blocks_used"] > 0
+    assert engine.stats().kv_blocks_used > 0
     engine.abort_request("a")
     reasons = {}
     while engine.has_unfinished_requests():
@@ -138,7 +138,7 @@ def test_abort_frees_blocks_and_reports(sharp_dir):
             if out.finished:
                 reasons[out.request_id] = out.finish_reason
     assert reasons == {"a": "abort", "b": "length"}
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_bad_input_is_rejected(sharp_dir):

@@ -161,7 +161,7 @@ def test_batch1_greedy_matches_transformers_short_and_past_the_window(family, pa
                               SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
         ref = greedy(prompt, 24)
         assert out.token_ids == ref, f"{name}: diverged at token {first_difference(out.token_ids, ref)}"
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_mixed_batch_with_preemption_matches_transformers(new_family):
@@ -175,7 +175,7 @@ def test_mixed_batch_with_preemption_matches_transformers(new_family):
         ref = greedy(p, 24)[:n]
         assert out.token_ids == ref, f"{name} request {i}: diverged at {first_difference(out.token_ids, ref)}"
     stats = engine.stats()
-    assert stats["num_preemptions"] > 0 and stats["kv_blocks_used"] == 0
+    assert stats.num_preemptions > 0 and stats.kv_blocks_used == 0
 
 
 def test_prefix_cache_hits_past_the_window_keep_greedy_identity(new_family):
@@ -186,7 +186,7 @@ def test_prefix_cache_hits_past_the_window_keep_greedy_identity(new_family):
         prompt = prefix + suffix
         out = engine.generate([list(prompt)], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
         assert out.token_ids == greedy(prompt, 20), name
-    assert engine.stats()["prefix_cache_hit_tokens"] >= 2 * 40
+    assert engine.stats().prefix_cache_hit_tokens >= 2 * 40
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "self"])
@@ -204,9 +204,9 @@ def test_speculation_keeps_greedy_identity(new_family, proposer):
         ref = greedy(p, 24)
         assert out.token_ids == ref, f"{name} {proposer}: diverged at {first_difference(out.token_ids, ref)}"
     stats = engine.stats()
-    assert stats["speculative"]["draft_tokens"] > 0 and stats["kv_blocks_used"] == 0
+    assert stats.speculative.draft_tokens > 0 and stats.kv_blocks_used == 0
     if proposer == "self":
-        assert stats["speculative"]["acceptance_rate"] == 1.0
+        assert stats.speculative.acceptance_rate == 1.0
 
 
 def test_int4_checkpoint_loads_and_generates(new_family, tmp_path):
@@ -278,6 +278,6 @@ def test_blocks_behind_every_window_are_freed_as_a_sequence_advances(built):
         for out in engine.step():
             if out.finished:
                 assert out.token_ids == greedy(LONG, 40)
-        most = max(most, engine.stats()["kv_blocks_used"])
+        most = max(most, engine.stats().kv_blocks_used)
     assert most <= 16 // BLOCK_SIZE + 2 < (44 + 40) // BLOCK_SIZE
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().kv_blocks_used == 0

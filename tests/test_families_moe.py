@@ -108,8 +108,8 @@ def test_mixed_batch_with_preemption_chunks_and_prefix_cache_matches_transformer
     outs = greedy(engine, prompts, lengths)
     assert outs == [refs[i % len(PROMPTS)][:n] for i, n in enumerate(lengths)], name
     stats = engine.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0, stats
-    assert stats["kv_blocks_used"] == 0
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0, stats
+    assert stats.kv_blocks_used == 0
 
 
 def test_speculation_keeps_greedy_identity(family):
@@ -129,8 +129,8 @@ def test_speculation_keeps_greedy_identity(family):
         engine = make(folder, speculative=spec, num_speculative_tokens=3, max_verify_tokens=64)
         assert greedy(engine, prompts, lengths) == want, (name, spec)
         stats = engine.stats()
-        drafted = stats["speculative"]["draft_tokens"] > 0
-        assert drafted == (lookup_hits if spec == "ngram" else True) and stats["kv_blocks_used"] == 0, (name, spec)
+        drafted = stats.speculative.draft_tokens > 0
+        assert drafted == (lookup_hits if spec == "ngram" else True) and stats.kv_blocks_used == 0, (name, spec)
 
 
 # -- quantized checkpoints --------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def test_score_matches_transformers_with_chunks_and_packing(sharp_dir, hf_model)
         ref = hf_logprobs(hf_model, ids)
         assert lp.shape == ref.shape and lp.dtype == torch.float32
         torch.testing.assert_close(lp, ref, atol=2e-4, rtol=1e-4)
-    assert engine.stats()["kv_blocks_used"] == 0  # score leaves no KV behind
+    assert engine.stats().kv_blocks_used == 0  # score leaves no KV behind
 
 
 def test_paged_decode_matches_dense_reference(sharp_dir, hf_model):

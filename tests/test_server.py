@@ -12,6 +12,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from qtoolkit.engine.config import EngineConfig
+
 TIMEOUT = httpx.Timeout(60.0)
 
 
@@ -39,10 +41,10 @@ def running(app):
 
 
 def make_app(model_dir, **kw):
-    from qtoolkit.engine import Engine
+    from qtoolkit.engine import Engine, EngineConfig
     from qtoolkit.server import create_app
 
-    engine = Engine(str(model_dir), kv_cache_memory="16MiB", max_num_seqs=kw.get("max_num_seqs", 32))
+    engine = Engine(str(model_dir), EngineConfig(kv_cache_memory="16MiB", max_num_seqs=kw.pop("max_num_seqs", 32)))
     return create_app(engine, **kw)
 
 
@@ -258,12 +260,12 @@ def test_engine_for_serving_loads_off_the_main_thread(tiny_model_dir, monkeypatc
     seen = []
     real = server.build_engine
 
-    def spy(model, **kw):
+    def spy(model, config=None):
         seen.append(threading.current_thread() is threading.main_thread())
-        return real(model, **kw)
+        return real(model, config)
 
     monkeypatch.setattr(server, "build_engine", spy)
-    engine = server.build_engine_off_main_thread(str(tiny_model_dir), kv_cache_memory="4MiB")
+    engine = server.build_engine_off_main_thread(str(tiny_model_dir), EngineConfig(kv_cache_memory="4MiB"))
     assert seen == [False] and engine.model_name
     with pytest.raises(QToolError):
         server.build_engine_off_main_thread(str(tiny_model_dir / "missing"))

@@ -18,6 +18,7 @@ import pytest
 
 from qtoolkit.cli import main
 from qtoolkit.deployment import Deployment, EndpointError, backoff_s, probe
+from qtoolkit.engine.config import EngineConfig
 from qtoolkit.server.process import free_port, server_process
 
 KEYS = {"candidate": "cand-s3cret-7f3a", "baseline": "base-s3cret-91c2"}
@@ -57,7 +58,7 @@ def int4_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def endpoints(tiny_model_dir, int4_dir):
-    with server_process(str(tiny_model_dir), batching="static", extra_args=["--api-key", KEYS["baseline"]]) as base, \
+    with server_process(str(tiny_model_dir), EngineConfig(batching="static"), extra_args=["--api-key", KEYS["baseline"]]) as base, \
             server_process(str(int4_dir), extra_args=["--api-key", KEYS["candidate"]]) as cand:
         yield {"candidate": f"{cand}/v1", "baseline": base}
 

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import pytest
 
+from qtoolkit.engine.stats import EngineStats, SpeculativeStats
 from qtoolkit.server.metrics import ServerMetrics
 from qtoolkit.spec_ceiling import parse_speculative, speculation_ceiling, tier_delta
 
 
 def _stats(drafted: int, accepted: int, proposed_at: list[int], accepted_at: list[int], propose: float,
-           verify: float) -> dict:
-    return {"speculative": {"draft_tokens": drafted, "accepted_tokens": accepted, "acceptance_rate": 0.0,
-                            "mean_accepted_length": 0.0, "acceptance_by_position": [], "proposed_at": proposed_at,
-                            "accepted_at": accepted_at, "proposer_seconds": propose, "verify_seconds": verify,
-                            "steps_with_speculation": drafted, "steps_without_speculation": 1,
-                            "verify_steps": drafted, "draft_cost_ratio": 0.3, "verify_cost_per_token": 0.1}}
+           verify: float) -> EngineStats:
+    return EngineStats(speculative=SpeculativeStats(
+        draft_tokens=drafted, accepted_tokens=accepted, proposed_at=proposed_at, accepted_at=accepted_at,
+        proposer_seconds=propose, verify_seconds=verify, steps_with_speculation=drafted,
+        steps_without_speculation=1, verify_steps=drafted, draft_cost_ratio=0.3, verify_cost_per_token=0.1))
+
+
+def test_metrics_text_reads_back_as_the_engine_stats():
+    m = ServerMetrics()
+    stats = _stats(10, 6, [6, 4], [4, 2], 1.0, 4.0)
+    m.record_stats(stats)
+    assert parse_speculative(m.render().decode()) == stats.speculative
 
 
 def test_scrapes_difference_into_one_tier():

@@ -56,12 +56,12 @@ def test_greedy_identity_every_proposer_batch_1_and_mixed_batch(sharp_dir, refer
         assert run(engine, PROMPTS[1:2], greedy_params()[1:2]) == reference[1:2], spec
         assert run(engine) == reference, spec
         stats = engine.stats()
-        spec_stats = stats["speculative"]
-        assert spec_stats["draft_tokens"] > 0, spec
-        assert stats["kv_blocks_used"] == 0, spec  # every block, rejected slots included, came back
+        spec_stats = stats.speculative
+        assert spec_stats.draft_tokens > 0, spec
+        assert stats.kv_blocks_used == 0, spec  # every block, rejected slots included, came back
         if spec.endswith(f":{sharp_dir}"):  # the target drafting for itself: everything is accepted
-            assert spec_stats["acceptance_rate"] == 1.0
-            assert spec_stats["mean_accepted_length"] > 3
+            assert spec_stats.acceptance_rate == 1.0
+            assert spec_stats.mean_accepted_length > 3
 
 
 def test_greedy_identity_with_preemption_and_chunked_prefill(sharp_dir, reference):
@@ -69,10 +69,10 @@ def test_greedy_identity_with_preemption_and_chunked_prefill(sharp_dir, referenc
         engine = make(sharp_dir, blocks=24, max_num_batched_tokens=32, speculative=spec, max_verify_tokens=64)
         assert run(engine) == reference, spec
         stats = engine.stats()
-        assert stats["num_preemptions"] > 0 and stats["speculative"]["draft_tokens"] > 0, spec
+        assert stats.num_preemptions > 0 and stats.speculative.draft_tokens > 0, spec
         if not spec.startswith("ngram"):
-            assert stats["speculative"]["accepted_tokens"] > 0
-        assert stats["kv_blocks_used"] == 0
+            assert stats.speculative.accepted_tokens > 0
+        assert stats.kv_blocks_used == 0
 
 
 def test_stop_strings_and_max_tokens_inside_an_accepted_run(sharp_dir, reference):
@@ -95,12 +95,12 @@ def test_per_request_counters_and_policy_turns_speculation_off_for_big_batches(s
     outs = engine.generate(PROMPTS[:1], greedy_params(1), use_tqdm=False)
     usage = outs[0].speculative_usage()
     assert usage["draft_tokens"] > 0 and usage["acceptance_rate"] == 1.0
-    before = engine.stats()["speculative"]["draft_tokens"]
+    before = engine.stats().speculative.draft_tokens
     # 8 sequences decoding at once fill the verification budget: no proposals, plain decoding
     big = run(engine, PROMPTS, [SamplingParams(max_tokens=6, ignore_eos=True)] * len(PROMPTS))
     assert [t for t, _, _ in big] == [t[:6] for t, _, _ in reference]
-    assert engine.stats()["speculative"]["steps_without_speculation"] > 0
-    assert engine.stats()["speculative"]["draft_tokens"] - before < 6 * len(PROMPTS)
+    assert engine.stats().speculative.steps_without_speculation > 0
+    assert engine.stats().speculative.draft_tokens - before < 6 * len(PROMPTS)
 
 
 def test_policy_picks_k_from_acceptance_and_draft_cost():
@@ -187,7 +187,7 @@ def test_sampled_requests_with_speculation_are_seeded_and_complete(sharp_dir):
     first = run(engine, PROMPTS[:4], params)
     assert run(engine, PROMPTS[:4], params) == first
     assert all(len(t) == 12 for t, _, _ in first)
-    assert engine.stats()["speculative"]["acceptance_rate"] > 0.5  # p == q: rejection is rare
+    assert engine.stats().speculative.acceptance_rate > 0.5  # p == q: rejection is rare
 
 
 def test_bad_speculative_settings_fail_at_start_up(sharp_dir, tmp_path):
@@ -238,11 +238,11 @@ def test_self_draft_reads_the_target_cache_and_drafts_from_the_first_step(sharp_
     long_prompt = " ".join(["the rain fell on the plain"] * 40)  # > 128 tokens: a draft:PATH model skips it
     out = engine.generate([long_prompt], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
     assert out.num_draft_tokens > 0 and out.num_accepted_tokens == out.num_draft_tokens
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().kv_blocks_used == 0
     for spec in ("self-int4", "self-fp8"):
         assert isinstance(make(sharp_dir, speculative=spec).proposer, SharedKVDraftProposer), spec
     params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7 + i, ignore_eos=True)
               for i in range(4)]
     first = run(engine, PROMPTS[:4], params)
     assert run(engine, PROMPTS[:4], params) == first
-    assert engine.stats()["speculative"]["acceptance_rate"] > 0.9
+    assert engine.stats().speculative.acceptance_rate > 0.9

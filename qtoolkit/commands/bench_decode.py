@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from ..errors import QToolError
+from ..io import write_json
+from ..progress import bar, status
+from ..provenance import provenance
+from ..sources import default_gguf_path, resolve_model
 
 HELP = ("batch-1 greedy decode tok/s of one or more checkpoints in the engine against llama.cpp (the default "
         "model's GGUF) and HF generate, interleaved rounds, ratios in the JSON")
@@ -27,16 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    # start-up time (`qtool --help` imports every command): torch and the decoders load when the command runs
     import torch
 
     from ..decode_bench import engine_decoder, format_table, hf_decoder, llama_cpp_decoder, run_decode_bench
-    from ..errors import QToolError
-    from ..io import write_json
-    from ..progress import bar, status
-    from ..provenance import provenance
-    from ..sources import default_gguf_path, resolve_model
 
     peers = [c.strip() for c in args.compare.split(",") if c.strip()]
     bad = [c for c in peers if c not in ("llama.cpp", "hf")]

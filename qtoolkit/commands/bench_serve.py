@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import signal
 
 from ..endpoint_args import ROUTES, add_server_arguments, resolve_server
+from ..engine.config import EngineConfig, add_engine_args
+from ..errors import QToolError
+from ..io import lock_output, write_json
 
 HELP = ("load-test our server (or any OpenAI-compatible --base-url): output tok/s, req/s, TTFT/TPOT/ITL per "
         "concurrency tier, static vs continuous batching and HF generate in one run")
@@ -68,14 +72,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(/v1/chat/completions); --endpoint PATH says the same in vLLM's words")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (for endpoints that reject the ignore_eos extension)")
-    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache of the servers this command starts")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences a started server runs at once")
-    p.add_argument("--dtype", default="auto", help="engine and HF precision: auto, float32, bfloat16")
     p.add_argument("--speculative", type=_proposers, default=[], metavar="PROPOSERS",
                    help="also measure the server with speculative decoding, one system per proposer: e.g. "
                         "ngram,self-int4 (draft:PATH, self-fp8, self:PATH too); ratios give the speedup curve")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="most drafts per step (1-16)")
+    p.add_argument("--rounds", default="1", metavar="N",
+                   help="serve each tier this many times, on fresh requests each round, systems interleaved: every "
+                        "spec / plain and continuous / static ratio gets a 95%% interval over the rounds")
     p.add_argument("--output", required=True, help="result JSON path")
+    # the started servers' engine options; batching and proposers are lists here, one system each
+    add_engine_args(p, skip=("batching", "speculative"))
+
+
+def _rounds(text: str) -> int:
+    """Read in run(), not by argparse, so a bad value is qtool's one-line error (exit 2), not a usage block."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise QToolError(f"--rounds {text!r} is not a positive integer: pass 1 (no interval) or more, e.g. 5")
+    return value
 
 
 def _proposers(text: str) -> list[str]:
@@ -87,20 +103,20 @@ def _interrupt(signum, frame) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import signal
-
+    # start-up time (`qtool --help` imports every command): the load generator, the deployment client and the
+    # workload files load the server's modules, numpy and the evals only when the command runs
     from ..bench import bench_serve, format_table
     from ..deployment import Deployment
-    from ..engine.speculative import check_speculative_args
-    from ..errors import QToolError
-    from ..io import lock_output, write_json
+    from ..workload_files import parse_workload
 
     if args.num_requests is not None and args.num_requests <= 0:
         raise QToolError("--num-requests must be positive")
     if args.rate is not None and args.rate <= 0:
         raise QToolError("--rate must be a positive number of requests per second")
+    rounds = _rounds(args.rounds)
+    engine = EngineConfig.from_args(args, batching="continuous", speculative=None)
     for proposer in args.speculative:  # fail before any server starts
-        check_speculative_args(proposer, args.num_speculative_tokens)
+        engine.replace(speculative=proposer)
     endpoint, route = resolve_server(args.base_url, args.endpoint, tuple(ROUTES))
     named = bool(args.endpoint) and any(args.endpoint.rstrip("/").endswith(r) for r in ROUTES)
     if args.api and named and ROUTES[route] != args.api:
@@ -108,19 +124,15 @@ def run(args: argparse.Namespace) -> int:
     api = args.api or ROUTES[route]
     if args.speculative and endpoint:
         raise QToolError("--speculative starts our own servers: drop --base-url (or start that server with it)")
-    from ..workload_files import parse_workload
-
     workload = parse_workload(args.workload)
     signal.signal(signal.SIGTERM, _interrupt)
     lock = lock_output(args.output)  # two benches into one file would overwrite each other's tiers
-    report = bench_serve(args.model, endpoint=endpoint, concurrency=args.concurrency, batching=args.batching,
-                         workload=workload, rate=args.rate, num_requests=args.num_requests,
-                         compare_hf=args.compare == "hf", seed=args.seed, mean_output_tokens=args.mean_output_tokens,
-                         max_output_tokens=args.max_output_tokens, api=api, ignore_eos=args.ignore_eos,
-                         api_key=args.api_key or Deployment("endpoint").api_key(), kv_cache_memory=args.kv_cache_memory,
-                         max_num_seqs=args.max_num_seqs, dtype=args.dtype, speculative=args.speculative,
-                         num_speculative_tokens=args.num_speculative_tokens,
-                         on_tier=lambda partial: write_json(args.output, partial))
+    report = bench_serve(args.model, engine, endpoint=endpoint, concurrency=args.concurrency, batching=args.batching,
+                         speculative=args.speculative, workload=workload, rate=args.rate,
+                         num_requests=args.num_requests, compare_hf=args.compare == "hf", seed=args.seed,
+                         mean_output_tokens=args.mean_output_tokens, max_output_tokens=args.max_output_tokens,
+                         api=api, ignore_eos=args.ignore_eos, api_key=args.api_key or Deployment("endpoint").api_key(),
+                         rounds=rounds, on_tier=lambda partial: write_json(args.output, partial))
     path = write_json(args.output, report)
     lock.release()
     print(format_table(report))

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+from ..engine.config import EngineConfig, add_engine_args
+from ..engine.params import EngineInputError, SamplingParams
+
+if TYPE_CHECKING:
+    from ..engine import Engine
 
 HELP = "generate completions for one or more prompts with the built-in engine"
 
@@ -26,30 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32 or bfloat16")
-    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB")
-    p.add_argument("--batching", choices=["continuous", "static"], default="continuous",
-                   help="scheduler: continuous (iteration-level) or static batches")
-    add_speculative_arguments(p)
-
-
-def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
-    """The speculative decoding flags, shared by generate, serve and bench serve."""
-    p.add_argument("--speculative", default=None, metavar="PROPOSER",
-                   help="speculative decoding: ngram, draft:PATH, self-int4, self-fp8, self:PATH or none (default)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                   help="most tokens proposed per step (1-16; adapted per sequence to its acceptance)")
+    add_engine_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from qtoolkit.engine import Engine, SamplingParams
-    from qtoolkit.engine.params import EngineInputError
+    from qtoolkit.engine import Engine  # start-up time: torch loads only when the command runs
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=args.stop)
     params.validate()  # bad flags fail before the model loads
-    engine = Engine(args.model, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, batching=args.batching,
-                    speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    engine = Engine(args.model, EngineConfig.from_args(args))
     prompts = args.prompt
     if args.chat:
         if not engine.tokenizer.chat_template:
@@ -72,9 +65,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_speculative(engine) -> None:
-    spec = engine.stats().get("speculative")
-    if spec:
-        print(f"[speculative {spec['proposer']}: {spec['accepted_tokens']}/{spec['draft_tokens']} drafts accepted "
-              f"({spec['acceptance_rate']:.0%}), {spec['mean_accepted_length']:.2f} tokens per verification]",
+def _print_speculative(engine: Engine) -> None:
+    spec = engine.stats().speculative
+    if spec is not None:
+        print(f"[speculative {spec.proposer}: {spec.accepted_tokens}/{spec.draft_tokens} drafts accepted "
+              f"({spec.acceptance_rate:.0%}), {spec.mean_accepted_length:.2f} tokens per verification]",
               file=sys.stderr)

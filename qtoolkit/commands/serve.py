@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .generate import add_speculative_arguments
+from ..engine.config import EngineConfig, add_engine_args
+from ..errors import QToolError
 
 HELP = "serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)"
 
@@ -21,14 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only by default)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
-    p.add_argument("--kv-cache-memory", default="1GiB", help="memory for the paged KV cache, e.g. 512MiB, 2GiB")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences the engine runs at once")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait beyond --max-num-seqs; past it the server answers 503")
-    p.add_argument("--batching", choices=["continuous", "static"], default="continuous",
-                   help="static: a batch starts only when the previous one finished (the baseline)")
-    p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one engine step")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
                    help="largest request body accepted; past it the server answers 413 (default 8 MiB)")
     p.add_argument("--metrics-need-key", action="store_true", help="require --api-key on /metrics too")
@@ -36,25 +31,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a request may run before it ends with 504 (default 1800)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="level of the HTTP server's (uvicorn) and the engine's log lines")
-    add_speculative_arguments(p)
+    add_engine_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import QToolError
-    from ..server import serve
+    from ..server import serve  # start-up time: the server loads torch, fastapi and uvicorn
 
     if not 0 < args.port < 65536:
         raise QToolError(f"--port {args.port} is not a TCP port: pass 1-65535")
-    if args.max_num_seqs <= 0 or args.max_waiting < 0:
-        raise QToolError("--max-num-seqs must be > 0 and --max-waiting >= 0")
+    if args.max_waiting < 0:
+        raise QToolError("--max-waiting must be >= 0")
     if args.max_body_bytes <= 0 or args.request_timeout <= 0:
         raise QToolError("--max-body-bytes and --request-timeout must be > 0")
     if args.metrics_need_key and args.api_key is None:
         raise QToolError("--metrics-need-key needs --api-key: pass the key the scraper will send")
-    serve(args.model, host=args.host, port=args.port, api_key=args.api_key, kv_cache_memory=args.kv_cache_memory,
-          max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting, batching=args.batching, dtype=args.dtype,
-          max_num_batched_tokens=args.max_num_batched_tokens, log_level=args.log_level,
-          speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-          max_body_bytes=args.max_body_bytes, metrics_need_key=args.metrics_need_key,
+    config = EngineConfig.from_args(args)  # bad engine flags fail before the port is checked or the model loads
+    serve(args.model, config, host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
+          log_level=args.log_level, max_body_bytes=args.max_body_bytes, metrics_need_key=args.metrics_need_key,
           request_timeout_s=args.request_timeout)
     return 0

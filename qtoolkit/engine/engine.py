@@ -8,86 +8,68 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
 import threading
 import time
 from collections import deque
+from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 from ..errors import QToolError
+from ..model.loader import load_model
+from ..progress import bar, quiet
 from ..sources import ModelSource, resolve_model
 from .block_manager import BlockManager
+from .config import EngineConfig
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .params import EngineInputError, RequestOutput, SamplingParams
 from .sampler import sample
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .speculative import (
-    DEFAULT_MAX_VERIFY_TOKENS,
     MAX_SPECULATIVE_TOKENS,
     Proposal,
     Proposer,
     SpeculationPolicy,
-    SpeculativeConfigError,
     SpeculativeMetrics,
     build_proposer,
-    check_speculative_args,
     verify,
 )
+from .stats import EngineStats, SpeculativeStats
 
 # a model draft catches up on a long context (over CATCH_UP_MIN_TOKENS) only when the request may still generate
 # at least 1/CATCH_UP_RATIO as many tokens
 CATCH_UP_RATIO = 2
 CATCH_UP_MIN_TOKENS = 128
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
 
 class EngineCapacityError(QToolError):
     """The KV cache is too small for what was asked."""
 
 
-def parse_memory(value: str | int) -> int:
-    if isinstance(value, int):
-        return value
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise EngineInputError(f"cannot read memory size {value!r}: write e.g. 512MiB, 1GiB or a byte count")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
 class Engine:
-    def __init__(self, model: str | ModelSource = "default", *, kv_cache_memory: str | int = "1GiB",
-                 block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
-                 batching: str = "continuous", dtype: str = "auto", enable_prefix_caching: bool = True,
-                 max_model_len: int | None = None, speculative: str | None = None,
-                 num_speculative_tokens: int = 4, max_verify_tokens: int = DEFAULT_MAX_VERIFY_TOKENS):
-        from transformers import AutoTokenizer
-
-        from ..model.loader import load_model
-
-        spec = check_speculative_args(speculative, num_speculative_tokens)  # bad flags fail before loading
-        if max_verify_tokens <= 0:
-            raise SpeculativeConfigError(f"max_verify_tokens must be positive, got {max_verify_tokens}")
-        if batching not in ("continuous", "static"):
-            raise EngineInputError(f"batching {batching!r} is unknown: use continuous or static")
-        if block_size <= 0 or max_num_seqs <= 0 or max_num_batched_tokens <= 0:
-            raise EngineInputError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+    def __init__(self, model: str | ModelSource = "default", config: EngineConfig | None = None,
+                 **options: Any):
+        """`config` holds every engine option (EngineConfig's defaults when None); `options` replace single
+        fields of it, e.g. Engine(model, kv_cache_memory="256MiB"). Bad options fail before the model loads."""
+        self.config = config = (config or EngineConfig()).replace(**options)
+        spec, dtype, block_size = config.speculative, config.dtype, config.block_size
+        max_num_seqs, num_speculative_tokens = config.max_num_seqs, config.num_speculative_tokens
+        max_verify_tokens = config.max_verify_tokens
         self.source = model if isinstance(model, ModelSource) else resolve_model(model)
         self.model_name = self.source.name
         self.tokenizer = AutoTokenizer.from_pretrained(self.source.path)
         self.model = load_model(self.source, dtype)
-        budget = parse_memory(kv_cache_memory)
-        num_blocks = budget // kv_bytes_per_block(self.model, block_size)
+        num_blocks = config.kv_cache_bytes // kv_bytes_per_block(self.model, block_size)
         if num_blocks < 2:
-            raise EngineCapacityError(f"kv_cache_memory {kv_cache_memory} holds {num_blocks} KV blocks: give it "
-                                      f"at least {2 * kv_bytes_per_block(self.model, block_size)} bytes")
+            raise EngineCapacityError(f"kv_cache_memory {config.kv_cache_memory} holds {num_blocks} KV blocks: "
+                                      f"give it at least {2 * kv_bytes_per_block(self.model, block_size)} bytes")
         self.max_model_len = min(self.model.config.max_position_embeddings, num_blocks * block_size,
-                                 max_model_len or 1 << 62)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+                                 config.max_model_len or 1 << 62)
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, batching=batching)
+                                   max_num_batched_tokens=config.max_num_batched_tokens, batching=config.batching)
         self.runner = ModelRunner(self.model, num_blocks, block_size)
         # when every layer slides a window, blocks wholly behind the smallest one are freed as sequences advance
         windows = [self.model.config.layer_window(i) for i in range(self.model.config.num_layers)]
@@ -323,8 +305,6 @@ class Engine:
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams],
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts to completion; final outputs in input order."""
-        from ..progress import bar, quiet
-
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise EngineInputError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
@@ -397,16 +377,24 @@ class Engine:
                         bm.release(seq)
         return [torch.cat(p) if len(p) > 1 else p[0] for p in pieces]
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting) + sum(1 for k, _ in self._inbox if k == "add"),
-            "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_blocks - bm.num_free_blocks,
-            "kv_blocks_free": bm.num_free_blocks, "block_size": bm.block_size,
-            "num_preemptions": self.scheduler.num_preemptions, "prefix_cache_hit_tokens": bm.num_prefix_hits,
-            **self.counters,
-            **({"speculative": {**self.spec_metrics.as_dict(), "draft_cost_ratio": self.spec_policy.draft_cost,
-                                "verify_cost_per_token": self.spec_policy.verify_cost}}
-               if self.spec_metrics is not None else {}),
-        }
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + sum(1 for k, _ in self._inbox if k == "add"),
+            kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_blocks - bm.num_free_blocks,
+            kv_blocks_free=bm.num_free_blocks, block_size=bm.block_size,
+            num_preemptions=self.scheduler.num_preemptions, prefix_cache_hit_tokens=bm.num_prefix_hits,
+            **self.counters, speculative=self._speculative_stats())
+
+    def _speculative_stats(self) -> SpeculativeStats | None:
+        m = self.spec_metrics
+        if m is None:
+            return None
+        return SpeculativeStats(
+            proposer=m.proposer, num_speculative_tokens=m.num_speculative_tokens,
+            max_verify_tokens=m.max_verify_tokens, verify_steps=m.verify_steps, draft_tokens=m.draft_tokens,
+            accepted_tokens=m.accepted_tokens, proposed_at=list(m.proposed_at), accepted_at=list(m.accepted_at),
+            steps_with_speculation=m.steps_with_speculation, steps_without_speculation=m.steps_without_speculation,
+            proposer_seconds=m.proposer_seconds, verify_seconds=m.verify_seconds,
+            draft_cost_ratio=self.spec_policy.draft_cost, verify_cost_per_token=self.spec_policy.verify_cost)

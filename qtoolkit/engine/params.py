@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import QToolError
 
@@ -58,9 +59,45 @@ class RequestOutput:
     num_accepted_tokens: int = 0  # of those, accepted by the target
     num_spec_steps: int = 0  # verification steps that carried at least one proposal
 
-    def speculative_usage(self) -> dict[str, float | int]:
+    def speculative_usage(self) -> SpeculativeUsage:
         """Per-request acceptance figures for the API usage block."""
-        return {"draft_tokens": self.num_draft_tokens, "accepted_tokens": self.num_accepted_tokens,
-                "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
-                "mean_accepted_length": (self.num_accepted_tokens + self.num_spec_steps) / self.num_spec_steps
-                if self.num_spec_steps else 0.0}
+        return SpeculativeUsage(self.num_draft_tokens, self.num_accepted_tokens, self.num_spec_steps)
+
+
+@dataclass(frozen=True)
+class SpeculativeUsage:
+    """What speculation did for some requests; the one place its derived figures are computed (the engine's
+    stats, the API usage block, a bench tier's summary and the difference of two /metrics scrapes use it)."""
+
+    draft_tokens: int = 0  # tokens proposed and verified
+    accepted_tokens: int = 0  # of those, accepted by the target
+    verify_steps: int = 0  # verifications that carried at least one proposal
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification: the accepted drafts plus the target's own token."""
+        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+    def __add__(self, other: SpeculativeUsage) -> SpeculativeUsage:
+        return SpeculativeUsage(self.draft_tokens + other.draft_tokens, self.accepted_tokens + other.accepted_tokens,
+                                self.verify_steps + other.verify_steps)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "verify_steps": self.verify_steps, "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_length": self.mean_accepted_length}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeUsage:
+        """A usage block as a server sent it; one without verify_steps (an older qtool server) gets them back
+        from its mean accepted length."""
+        drafted, accepted = int(d.get("draft_tokens", 0)), int(d.get("accepted_tokens", 0))
+        steps = d.get("verify_steps")
+        if steps is None:
+            length = d.get("mean_accepted_length") or 0.0
+            steps = round(accepted / (length - 1)) if length > 1 else 0
+        return cls(drafted, accepted, int(steps))

@@ -9,12 +9,18 @@ import ipaddress
 import logging
 import socket
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import uvicorn
+
+from ..engine.config import EngineConfig
 from ..errors import QToolError
 from ..progress import status
 from .app import DEFAULT_REQUEST_TIMEOUT_S, create_app
 from .guard import DEFAULT_MAX_BODY_BYTES
+
+if TYPE_CHECKING:
+    from ..engine import Engine
 
 __all__ = ["create_app", "serve", "build_engine", "build_engine_off_main_thread"]
 
@@ -41,17 +47,14 @@ def check_port_free(host: str, port: int) -> None:
             raise QToolError(f"cannot listen on {host}:{port} ({e.strerror}): pass another --port or --host") from None
 
 
-def build_engine(model: Any, *, kv_cache_memory: str = "1GiB", max_num_seqs: int = 64, batching: str = "continuous",
-                 dtype: str = "auto", max_num_batched_tokens: int = 1024, speculative: str | None = None,
-                 num_speculative_tokens: int = 4) -> Any:
+def build_engine(model: Any, config: EngineConfig | None = None) -> Engine:
+    # start-up time: a load generator importing server.process or server.metrics loads no torch
     from ..engine import Engine
 
-    return Engine(model, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, batching=batching,
-                  dtype=dtype, max_num_batched_tokens=max_num_batched_tokens, speculative=speculative,
-                  num_speculative_tokens=num_speculative_tokens)
+    return Engine(model, config or EngineConfig())
 
 
-def build_engine_off_main_thread(model: Any, **kwargs: Any) -> Any:
+def build_engine_off_main_thread(model: Any, config: EngineConfig | None = None) -> Engine:
     """build_engine in a short-lived helper thread, so the main thread never runs an OpenMP parallel region.
 
     The engine steps on the driver's thread. Once the main thread has run a parallel region (loading a model
@@ -63,7 +66,7 @@ def build_engine_off_main_thread(model: Any, **kwargs: Any) -> Any:
 
     def load() -> None:
         try:
-            box["engine"] = build_engine(model, **kwargs)
+            box["engine"] = build_engine(model, config)
         except BaseException as e:  # re-raised on the caller's thread
             box["error"] = e
 
@@ -75,26 +78,20 @@ def build_engine_off_main_thread(model: Any, **kwargs: Any) -> Any:
     return box["engine"]
 
 
-def serve(model: Any = "default", *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          kv_cache_memory: str = "1GiB", max_num_seqs: int = 64, max_waiting: int = 256,
-          batching: str = "continuous", dtype: str = "auto", max_num_batched_tokens: int = 1024,
-          log_level: str = "info", speculative: str | None = None, num_speculative_tokens: int = 4,
+def serve(model: Any = "default", config: EngineConfig | None = None, *, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None, max_waiting: int = 256, log_level: str = "info",
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_need_key: bool = False,
           request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
-    """Load `model` into an engine and serve it until interrupted."""
-    import uvicorn
-
+    """Load `model` into an engine built from `config` and serve it until interrupted."""
+    config = config or EngineConfig()
     if not _is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
     check_port_free(host, port)
-    status(f"loading {model} ({batching} batching, KV cache {kv_cache_memory})")
-    engine = build_engine_off_main_thread(model, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                                          batching=batching, dtype=dtype,
-                                          max_num_batched_tokens=max_num_batched_tokens, speculative=speculative,
-                                          num_speculative_tokens=num_speculative_tokens)
+    status(f"loading {model} ({config.batching} batching, KV cache {config.kv_cache_memory})")
+    engine = build_engine_off_main_thread(model, config)
     names = [engine.model_name] + [str(model)] * (str(model) != engine.model_name)
     app = create_app(engine, served_model_names=names, api_key=api_key, max_waiting=max_waiting,
-                     max_num_seqs=max_num_seqs, max_body_bytes=max_body_bytes, metrics_need_key=metrics_need_key,
+                     max_body_bytes=max_body_bytes, metrics_need_key=metrics_need_key,
                      request_timeout_s=request_timeout_s)
     status(f"serving {engine.model_name} on http://{host}:{port}/v1")
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

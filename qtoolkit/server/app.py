@@ -49,7 +49,7 @@ def sse(data: dict[str, Any] | str) -> str:
 
 
 class ServerState:
-    def __init__(self, engine: Any, *, names: list[str], api_key: str | None, max_waiting: int, max_num_seqs: int,
+    def __init__(self, engine: Any, *, names: list[str], api_key: str | None, max_waiting: int,
                  request_timeout_s: float):
         self.engine = engine
         self.request_timeout_s = request_timeout_s
@@ -61,7 +61,7 @@ class ServerState:
         self.names = set(names)
         self.api_key = api_key
         self.metrics = ServerMetrics(in_flight=lambda: self.driver.in_flight, engine_up=lambda: self.driver.alive)
-        self.driver = EngineDriver(engine, self.metrics, max_in_flight=max_num_seqs + max_waiting)
+        self.driver = EngineDriver(engine, self.metrics, max_in_flight=engine.config.max_num_seqs + max_waiting)
 
     def check_fan_out(self, num_prompts: int, n: int) -> None:
         """A request needing more engine slots than the server ever admits can never run: 400, not a 503 to
@@ -152,13 +152,14 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
 
 
 def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_key: str | None = None,
-               max_waiting: int = 256, max_num_seqs: int = 64, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_waiting: int = 256, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                metrics_need_key: bool = False, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> Any:
-    """An ASGI app over `engine`. In-flight requests are bounded by max_num_seqs + max_waiting; past it: 503.
+    """An ASGI app over `engine`. In-flight requests are bounded by the engine's max_num_seqs + max_waiting;
+    past it: 503.
 
     The FastAPI app is `app.app` behind the guard (key and body size); `app.state.qtool` is the server state."""
     state = ServerState(engine, names=served_model_names or [engine.model_name], api_key=api_key,
-                        max_waiting=max_waiting, max_num_seqs=max_num_seqs, request_timeout_s=request_timeout_s)
+                        max_waiting=max_waiting, request_timeout_s=request_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -169,7 +170,15 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
 
     app = FastAPI(title="qtoolkit", lifespan=lifespan)
     app.state.qtool = state
+    _add_error_handlers(app, state)
+    _add_info_routes(app, state)
+    _add_completion_routes(app, state)
+    return GuardMiddleware(app, api_key=api_key, max_body_bytes=max_body_bytes, metrics_need_key=metrics_need_key,
+                           on_reject=lambda status: state.metrics.rejected.labels(str(status)).inc())
 
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    """Every refusal leaves as an OpenAI-style error body, counted by status."""
     def error_response(err: APIError) -> JSONResponse:
         state.metrics.rejected.labels(str(err.status)).inc()
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -198,6 +207,8 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
         return error_response(APIError(err.status_code, str(err.detail), code=code,
                                        headers=dict(err.headers or {})))
 
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         if state.driver.alive:
@@ -211,8 +222,10 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": now(),
-                                            "owned_by": "qtoolkit", "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "qtoolkit", "max_model_len": state.engine.max_model_len}]}
 
+
+def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
     def encode_completion(req: CompletionRequest) -> tuple[list[list[int]], list[int]]:
         prompts = [state.encode_prompt(p, "prompt") for p in req.prompts()]
         return prompts, [state.budget(len(p), req.max_tokens, "prompt") for p in prompts]
@@ -273,9 +286,6 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
                              "choices": choices,
                              "usage": usage_block(gen.num_prompt_tokens, gen.num_completion_tokens,
                                                   **gen.usage_extra())})
-
-    return GuardMiddleware(app, api_key=api_key, max_body_bytes=max_body_bytes, metrics_need_key=metrics_need_key,
-                           on_reject=lambda status: state.metrics.rejected.labels(str(status)).inc())
 
 
 class EventStream(StreamingResponse):

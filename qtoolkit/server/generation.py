@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import Request
 
+from ..engine.params import SpeculativeUsage
 from .driver import EngineDriver, EngineFailure
 from .metrics import ServerMetrics
 from .protocol import APIError, new_id
@@ -118,15 +119,10 @@ class Generation:
 
     def usage_extra(self) -> dict[str, Any]:
         """Usage-block extension: this request's speculative decoding figures, when the engine speculates."""
-        if getattr(self.driver.engine, "proposer", None) is None:
+        if self.driver.engine.config.speculative is None:
             return {}
-        done = [f for f in self.final if f is not None]
-        drafted = sum(f.num_draft_tokens for f in done)
-        accepted = sum(f.num_accepted_tokens for f in done)
-        steps = sum(f.num_spec_steps for f in done)
-        return {"speculative": {"draft_tokens": drafted, "accepted_tokens": accepted,
-                                "acceptance_rate": accepted / drafted if drafted else 0.0,
-                                "mean_accepted_length": (accepted + steps) / steps if steps else 0.0}}
+        usage = sum((f.speculative_usage() for f in self.final if f is not None), SpeculativeUsage())
+        return {"speculative": usage.as_dict()}
 
     def close(self) -> None:
         """Abort unfinished engine requests (frees their KV blocks) and release admission. Idempotent."""

@@ -16,6 +16,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..engine.stats import EngineStats, SpeculativeStats
 
 # Buckets sized for a CPU engine: first tokens take tens of ms to seconds, a token 5 ms to a second.
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -50,7 +53,7 @@ class ServerMetrics:
     def __init__(self, in_flight: Callable[[], int] = lambda: 0, engine_up: Callable[[], bool] = lambda: True):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.stats: dict[str, Any] = {}  # replaced whole by the engine thread, read by the collector
+        self.stats = EngineStats()  # replaced whole by the engine thread, read by the collector
         self.rate = TokenRate()
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", registry=r)
@@ -68,14 +71,14 @@ class ServerMetrics:
                              registry=r)
         r.register(_EngineCollector(self, in_flight, engine_up))
 
-    def record_step(self, new_tokens: int, stats: dict[str, Any]) -> None:
+    def record_step(self, new_tokens: int, stats: EngineStats) -> None:
         """Called by the engine thread after each step."""
         if new_tokens:
             self.generation_tokens.inc(new_tokens)
             self.rate.add(new_tokens)
         self.record_stats(stats)
 
-    def record_stats(self, stats: dict[str, Any]) -> None:
+    def record_stats(self, stats: EngineStats) -> None:
         self.stats = stats
 
     def record_loop_failure(self) -> None:
@@ -101,61 +104,97 @@ class _EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         st = self.metrics.stats
-        total, used = st.get("kv_blocks_total", 0), st.get("kv_blocks_used", 0)
-        yield _gauge("vllm:num_requests_running", "Requests the engine is running", st.get("num_running", 0))
-        yield _gauge("vllm:num_requests_waiting", "Requests queued in the engine", st.get("num_waiting", 0))
-        yield _gauge("vllm:kv_cache_usage_perc", "Share of KV cache blocks in use (0-1)", used / total if total else 0)
+        yield _gauge("vllm:num_requests_running", "Requests the engine is running", st.num_running)
+        yield _gauge("vllm:num_requests_waiting", "Requests queued in the engine", st.num_waiting)
+        yield _gauge("vllm:kv_cache_usage_perc", "Share of KV cache blocks in use (0-1)", st.kv_cache_usage)
         yield _gauge("qtool_requests_in_flight", "Admitted requests not yet finished", self.in_flight())
         yield _gauge("qtool_engine_up", "1 while the engine loop runs and admits requests", int(self.engine_up()))
-        yield _gauge("qtool_kv_blocks_used", "KV cache blocks in use", used)
-        yield _gauge("qtool_kv_blocks_free", "KV cache blocks free", st.get("kv_blocks_free", 0))
-        yield _gauge("qtool_kv_blocks_total", "KV cache blocks in total", total)
+        yield _gauge("qtool_kv_blocks_used", "KV cache blocks in use", st.kv_blocks_used)
+        yield _gauge("qtool_kv_blocks_free", "KV cache blocks free", st.kv_blocks_free)
+        yield _gauge("qtool_kv_blocks_total", "KV cache blocks in total", st.kv_blocks_total)
         yield _gauge("qtool_generation_tokens_per_second",
                      f"Generated tokens per second over the last {_RATE_WINDOW_S} s", self.metrics.rate.rate())
-        yield _counter("vllm:num_preemptions", "Sequences preempted since start", st.get("num_preemptions", 0))
+        yield _counter("vllm:num_preemptions", "Sequences preempted since start", st.num_preemptions)
         yield _counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache",
-                       st.get("prefix_cache_hit_tokens", 0))
-        spec = st.get("speculative")
-        if spec:
-            yield from _speculative(spec)
+                       st.prefix_cache_hit_tokens)
+        if st.speculative is not None:
+            yield from _speculative(st.speculative)
 
 
-def _speculative(spec: dict[str, Any]) -> Iterator[Metric]:
+# SpeculativeStats' scalar fields as qtool_spec_* families: (field, name, kind, help). The collector renders them
+# and `parse_speculative` reads them back, both from this table, so a rename is one line.
+_SPEC_SCALARS = [
+    ("draft_tokens", "qtool_spec_draft_tokens", "counter", "Speculative tokens proposed and verified"),
+    ("accepted_tokens", "qtool_spec_accepted_tokens", "counter", "Speculative tokens accepted"),
+    ("verify_steps", "qtool_spec_verifications", "counter", "Sequence verifications carrying proposals"),
+    ("draft_cost_ratio", "qtool_spec_draft_cost_ratio", "gauge",
+     "Policy estimate: one draft step / one verification forward"),
+    ("verify_cost_per_token", "qtool_spec_verify_cost_per_token", "gauge",
+     "Policy estimate: a plain step's extra time per verified draft token"),
+]
+# labelled families: (name, label, {label value: field})
+_SPEC_SECONDS = ("qtool_spec_seconds", "phase", {"propose": "proposer_seconds", "verify": "verify_seconds"})
+_SPEC_STEPS = ("qtool_spec_decode_steps", "kind",
+               {"speculative": "steps_with_speculation", "plain": "steps_without_speculation"})
+_SPEC_POSITIONS = "qtool_spec_position_tokens"
+
+
+def _speculative(spec: SpeculativeStats) -> Iterator[Metric]:
     yield _counter("vllm:spec_decode_num_draft_tokens", "Speculative tokens proposed and verified",
-                   spec["draft_tokens"])
-    yield _counter("vllm:spec_decode_num_accepted_tokens", "Speculative tokens accepted", spec["accepted_tokens"])
-    # the qtool_spec_* families are what spec_ceiling.py differences between two scrapes
-    yield _counter("qtool_spec_draft_tokens", "Speculative tokens proposed and verified", spec["draft_tokens"])
-    yield _counter("qtool_spec_accepted_tokens", "Speculative tokens accepted", spec["accepted_tokens"])
-    yield _gauge("qtool_spec_acceptance_rate", "Accepted / proposed speculative tokens", spec["acceptance_rate"])
-    yield _gauge("qtool_spec_mean_accepted_length", "Tokens emitted per verification", spec["mean_accepted_length"])
+                   spec.draft_tokens)
+    yield _counter("vllm:spec_decode_num_accepted_tokens", "Speculative tokens accepted", spec.accepted_tokens)
+    for attr, name, kind, doc in _SPEC_SCALARS:
+        yield (_counter if kind == "counter" else _gauge)(name, doc, getattr(spec, attr))
+    yield _gauge("qtool_spec_acceptance_rate", "Accepted / proposed speculative tokens", spec.acceptance_rate)
+    yield _gauge("qtool_spec_mean_accepted_length", "Tokens emitted per verification", spec.mean_accepted_length)
     by_pos = GaugeMetricFamily("qtool_spec_acceptance_by_position", "Acceptance rate of the i-th draft token",
                                labels=["position"])
     per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by "
                                   "position", labels=["position"])
-    counts = CounterMetricFamily("qtool_spec_position_tokens", "Draft tokens at the i-th position",
+    counts = CounterMetricFamily(_SPEC_POSITIONS, "Draft tokens at the i-th position",
                                  labels=["position", "outcome"])
-    for i, rate in enumerate(spec["acceptance_by_position"]):
+    for i, rate in enumerate(spec.acceptance_by_position):
         by_pos.add_metric([str(i + 1)], rate)
-    for i, (proposed, accepted) in enumerate(zip(spec["proposed_at"], spec["accepted_at"], strict=True)):
+    for i, (proposed, accepted) in enumerate(zip(spec.proposed_at, spec.accepted_at, strict=True)):
         counts.add_metric([str(i + 1), "proposed"], proposed)
         counts.add_metric([str(i + 1), "accepted"], accepted)
         per_pos.add_metric([str(i + 1)], accepted)
     yield from (by_pos, per_pos, counts)
-    seconds = CounterMetricFamily("qtool_spec_seconds", "Time spent proposing and verifying", labels=["phase"])
-    seconds.add_metric(["propose"], spec["proposer_seconds"])
-    seconds.add_metric(["verify"], spec["verify_seconds"])
-    steps = CounterMetricFamily("qtool_spec_decode_steps", "Decode steps with and without proposals",
-                                labels=["kind"])
-    steps.add_metric(["speculative"], spec["steps_with_speculation"])
-    steps.add_metric(["plain"], spec["steps_without_speculation"])
-    yield from (seconds, steps)
-    yield _counter("qtool_spec_verifications", "Sequence verifications carrying proposals", spec["verify_steps"])
-    yield _gauge("qtool_spec_draft_cost_ratio", "Policy estimate: one draft step / one verification forward",
-                 spec.get("draft_cost_ratio", 0.0))
-    yield _gauge("qtool_spec_verify_cost_per_token",
-                 "Policy estimate: a plain step's extra time per verified draft token",
-                 spec.get("verify_cost_per_token", 0.0))
+    for (name, label, fields), doc in ((_SPEC_SECONDS, "Time spent proposing and verifying"),
+                                       (_SPEC_STEPS, "Decode steps with and without proposals")):
+        family = CounterMetricFamily(name, doc, labels=[label])
+        for value, attr in fields.items():
+            family.add_metric([value], getattr(spec, attr))
+        yield family
+
+
+def parse_speculative(text: str) -> SpeculativeStats | None:
+    """The engine's speculative counters from one /metrics scrape of a qtool server; None when it does not
+    speculate (or is not ours). The one reader of this exporter's text (spec_ceiling.py differences two)."""
+    values: dict[str, Any] = {}
+    positions: dict[tuple[int, str], float] = {}
+    scalars = {name: attr for attr, name, _, _ in _SPEC_SCALARS}
+    labelled = {name: (label, fields) for name, label, fields in (_SPEC_SECONDS, _SPEC_STEPS)}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            if family.name in scalars:
+                values[scalars[family.name]] = sample.value
+            elif family.name in labelled:
+                label, fields = labelled[family.name]
+                values[fields[sample.labels[label]]] = sample.value
+            elif family.name == _SPEC_POSITIONS:
+                positions[int(sample.labels["position"]), sample.labels["outcome"]] = sample.value
+    # the labelled samples appear once the engine has reported speculation; a plain server shows none
+    if "verify_seconds" not in values:
+        return None
+    depth = max((p for p, _ in positions), default=0)
+    counts = {k: int(v) for k, v in values.items() if k in ("draft_tokens", "accepted_tokens", "verify_steps",
+                                                             "steps_with_speculation", "steps_without_speculation")}
+    return SpeculativeStats(**{**values, **counts},
+                            proposed_at=[int(positions.get((p, "proposed"), 0)) for p in range(1, depth + 1)],
+                            accepted_at=[int(positions.get((p, "accepted"), 0)) for p in range(1, depth + 1)])
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

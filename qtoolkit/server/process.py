@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import httpx
 
+from ..engine.config import EngineConfig
 from ..errors import QToolError
 
 
@@ -29,14 +30,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @contextlib.contextmanager
-def server_process(model: str, *, batching: str = "continuous", kv_cache_memory: str = "1GiB",
-                   max_num_seqs: int = 64, max_waiting: int = 256, dtype: str = "auto",
+def server_process(model: str, config: EngineConfig | None = None, *, max_waiting: int = 256,
                    startup_timeout_s: float = 900.0, extra_args: list[str] | None = None) -> Iterator[str]:
-    """Yield the base URL of a healthy server; stop it (SIGTERM, then SIGKILL) on exit."""
+    """Yield the base URL of a healthy `qtool serve` running `config`; stop it (SIGTERM, then SIGKILL) on exit.
+
+    The config crosses the process boundary as the serve command's own flags (EngineConfig.to_cli_args)."""
     port = free_port()
     cmd = [sys.executable, "-m", "qtoolkit", "serve", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--batching", batching, "--kv-cache-memory", kv_cache_memory,
-           "--max-num-seqs", str(max_num_seqs), "--max-waiting", str(max_waiting), "--dtype", dtype,
+           "--port", str(port), *(config or EngineConfig()).to_cli_args(), "--max-waiting", str(max_waiting),
            "--log-level", "warning", *(extra_args or [])]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     with tempfile.TemporaryFile("w+") as log:
