@@ -54,10 +54,10 @@ def _native_fp8(device: torch.device) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None, decode: bool | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, *, decode: bool) -> torch.Tensor:
     """y [M, N] = (x * x_scale) @ (w * w_scale)^T. x is FP8 exactly when x_scale (per token, [M] or [M, 1]) is given.
 
-    `decode` picks the decode configs (kernels/dispatch.py decides; None: by its TRITON_DECODE_MAX_M)."""
+    `decode` picks the decode configs over the prefill ones (kernels/dispatch.py decides)."""
     m, k = x.shape
     n = w.shape[0]
     act_fp8 = x_scale is not None

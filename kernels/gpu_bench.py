@@ -13,6 +13,7 @@ import sys
 
 import torch
 from qtoolkit.kernels import scheme as S
+from qtoolkit.kernels.dispatch import TRITON_DECODE_MAX_M
 from qtoolkit.kernels.reference import quantize_activations, quantize_weight
 
 from qtoolkit.io import write_json
@@ -20,6 +21,11 @@ from qtoolkit.provenance import provenance
 
 SHAPES = {"4096x4096": (4096, 4096), "4096x11008": (11008, 4096), "11008x4096": (4096, 11008)}
 MS = [1, 4, 16, 32, 256]
+
+
+def _decode(x: torch.Tensor) -> bool:
+    """The kernel config family the engine's dispatch picks for this batch."""
+    return x.shape[0] <= TRITON_DECODE_MAX_M
 
 
 def _paths(w: torch.Tensor):
@@ -33,15 +39,15 @@ def _paths(w: torch.Tensor):
     for g in (128, 32):
         t = {k: v.to(dev) for k, v in quantize_weight(w.float().cpu(), S.w4a16(g)).items()}
         p, s = t["weight_packed"], t["weight_scale"].float()
-        paths[f"triton int4 g{g}"] = ((lambda x, p=p, s=s, g=g: int_linear(x, p, s, None, g)),
+        paths[f"triton int4 g{g}"] = ((lambda x, p=p, s=s, g=g: int_linear(x, p, s, None, g, decode=_decode(x))),
                                       p.nbytes + s.nbytes)
     t8 = {k: v.to(dev) for k, v in quantize_weight(w.float().cpu(), S.fp8_dynamic()).items()}
     w8, s8 = t8["weight"], t8["weight_scale"].float()
-    paths["triton fp8 weight-only"] = (lambda x: fp8_linear(x, w8, s8), w8.nbytes)
+    paths["triton fp8 weight-only"] = (lambda x: fp8_linear(x, w8, s8, decode=_decode(x)), w8.nbytes)
 
     def fp8_dynamic(x):
         xq, xs = quantize_activations(x, "float")
-        return fp8_linear(xq, w8, s8, x_scale=xs, out_dtype=x.dtype)
+        return fp8_linear(xq, w8, s8, x_scale=xs, out_dtype=x.dtype, decode=_decode(x))
 
     paths["triton fp8 dynamic"] = (fp8_dynamic, w8.nbytes)
     w8t = w8.t()  # _scaled_mm wants the second operand column-major

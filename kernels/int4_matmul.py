@@ -6,9 +6,9 @@ what a [BLOCK_K, BLOCK_N] tile load wants, and keeping it means GPU memory equal
 Unpacked int8 weights [N, K] (INT8 and the odd widths) go through the same kernel with PACKED=False.
 Zero points (asymmetric) arrive unpacked as int8 [N, K/group], like the scales.
 
-Decode (M <= dispatch.TRITON_DECODE_MAX_M) is memory-bound: small BLOCK_M (16, the tl.dot minimum) and split-K so a 4096-wide layer still
-fills ~130 SMs. Prefill (M >= 256) is compute-bound: big square tiles. tl.dot needs every block dim >= 16;
-the interpreter does not check that, tests/test_kernels_triton.py does.
+Decode (M <= TRITON_DECODE_MAX_M of kernels/dispatch.py) is memory-bound: small BLOCK_M (16, the tl.dot
+minimum) and split-K so a 4096-wide layer still fills ~130 SMs. Prefill (M >= 256) is compute-bound: big square
+tiles. tl.dot needs every block dim >= 16; the interpreter does not check that, tests/test_kernels_triton.py does.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-from .dispatch import TRITON_DECODE_MAX_M
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -64,13 +62,13 @@ def store_tile(y_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, SPLIT_K: t
 
 
 def launch(kernel, tuned_decode, tuned_prefill, args: tuple, flags: dict, m: int, n: int,
-           config: triton.Config | None, decode: bool | None) -> None:
+           config: triton.Config | None, decode: bool) -> None:
     """Run a matmul kernel: one pinned config (tests, the interpreter) or the autotuned decode / prefill family."""
     if INTERPRET or config is not None:
         c = (config or INTERPRET_CONFIG).kwargs
         kernel[(triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])](*args, **flags, **c)
         return
-    tuned = tuned_decode if (m <= TRITON_DECODE_MAX_M if decode is None else decode) else tuned_prefill
+    tuned = tuned_decode if decode else tuned_prefill
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
@@ -143,12 +141,12 @@ def supported(k: int, group: int) -> bool:
 
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-               group: int, packed: bool = True, config: triton.Config | None = None,
-               decode: bool | None = None) -> torch.Tensor:
+               group: int, packed: bool = True, config: triton.Config | None = None, *,
+               decode: bool) -> torch.Tensor:
     """y [M, N] (x's dtype) for x [M, K]; qweight int32 [N, K/8] when packed, else int8 [N, K].
 
     `config` pins one tile config instead of autotuning (tests; the interpreter always uses one). `decode` picks
-    the decode configs (kernels/dispatch.py decides; None: by its TRITON_DECODE_MAX_M).
+    the decode configs over the prefill ones (kernels/dispatch.py decides, by its TRITON_DECODE_MAX_M).
     """
     m, k = x.shape
     if group == k:

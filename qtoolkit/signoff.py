@@ -87,10 +87,14 @@ class _Run:
     runner: StepRunner
     results: dict[str, dict[str, Any]] | None = None
     quant: dict[str, Any] | None = None
+    tasks: str = ""
+    data: list[dict[str, str]] | None = None  # the workload files' hashes, in the steps' reuse keys
 
     def steps(self) -> None:
         cfg, out, source = self.cfg, self.out, self.source
         self.results = {}
+        self.tasks = custom_signoff.eval_tasks(self.policy, cfg.data)
+        self.data = custom_signoff.data_inputs(cfg.data)
         ckpt = out / "checkpoint"
         recipe = self.recipe
         self.results["quantize"] = self.runner.run(
@@ -111,9 +115,7 @@ class _Run:
                                                                prompt_lengths=(64, 512)).to_json()))
 
     def eval_step(self, cand_key: str) -> None:
-        cfg, policy, out = self.cfg, self.policy, self.out
-        tasks = custom_signoff.eval_tasks(policy, cfg.data)
-        data = custom_signoff.data_inputs(cfg.data)
+        cfg, policy, out, tasks, data = self.cfg, self.policy, self.out, self.tasks, self.data
         inputs = {"candidate": cand_key, "baseline": self.source.sha256, "tasks": tasks, "limit": cfg.limit,
                   "endpoint": cfg.endpoint, "seed": cfg.seed, **({"data": data} if data else {})}
         if cfg.max_items and cfg.max_items > cfg.limit:  # how many items get drawn depends on the quality bounds
@@ -145,8 +147,7 @@ class _Run:
         self.results["eval"] = self.runner.run("eval", inputs, out / "eval.json", do_eval)
 
     def bench_step(self, cand_key: str) -> None:
-        cfg, policy, out = self.cfg, self.policy, self.out
-        data = custom_signoff.data_inputs(cfg.data)
+        cfg, policy, out, data = self.cfg, self.policy, self.out, self.data
         quantization_gate = policy.throughput.min_quantization_speedup is not None
 
         def do_bench() -> None:

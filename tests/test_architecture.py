@@ -190,3 +190,10 @@ def _lazy_imports() -> list[str]:
 def test_imports_inside_functions_are_capped():
     lazy = _lazy_imports()
     assert len(lazy) <= MAX_OTHER_LAZY_IMPORTS, "\n".join(lazy)
+
+
+def test_architecture_lists_every_module_and_only_those():
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    modules = {_rel(p) for p in MODULES.values() if p.name not in ("__init__.py", "__main__.py")}
+    listed = set(re.findall(r"`((?:qtoolkit|evals|kernels)/[\w/]+\.py)`", text))
+    assert sorted(modules - listed) == [] and sorted(p for p in listed if not (ROOT / p).is_file()) == []

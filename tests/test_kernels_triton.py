@@ -93,7 +93,7 @@ def test_fp8_kernel_with_fp8_activations_and_16bit_output(kernels):
     t = quantize_weight(torch.randn(29, 64), group)
     x = torch.randn(5, 64)
     xq, xs = quantize_activations(x, "float")
-    y = fp8_matmul.fp8_linear(xq, t["weight"], t["weight_scale"], x_scale=xs)
+    y = fp8_matmul.fp8_linear(xq, t["weight"], t["weight_scale"], x_scale=xs, decode=True)
     assert y.dtype == torch.bfloat16
     assert _rel(y, reference_linear(x, t, group)) < 1e-2  # bf16 output rounding
 
@@ -106,7 +106,7 @@ def test_int_kernel_fp16_activations(kernels):
     group = S.w4a16(32)
     t = quantize_weight(torch.randn(40, 128), group)
     x = torch.randn(2, 128).half()
-    y = int4_matmul.int_linear(x, t["weight_packed"], t["weight_scale"], None, 32)
+    y = int4_matmul.int_linear(x, t["weight_packed"], t["weight_scale"], None, 32, decode=True)
     assert y.dtype == torch.float16
     assert _rel(y, reference_linear(x.float(), t, group)) < 2e-3
 
@@ -123,7 +123,7 @@ def test_int_kernel_tiles_spanning_groups(kernels, bk, group, asym):
     x = torch.randn(5, 384)
     cfg = int4_matmul._cfg(16, 16, bk, 2, 1, 1)
     zeros = layer.zeros if asym else None
-    y = int4_matmul.int_linear(x, layer.qweight, layer.scales, zeros, group, config=cfg)
+    y = int4_matmul.int_linear(x, layer.qweight, layer.scales, zeros, group, config=cfg, decode=True)
     assert _rel(y, reference_linear(x, t, grp)) < 1e-5
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from qtoolkit.kernels import cpu, dispatch
@@ -156,3 +159,28 @@ def test_blocked_path_buffer_works_in_and_out_of_inference_mode(monkeypatch):
         with torch.inference_mode(mode):
             y = dispatch.cpu_dense(x, w.bfloat16())
         torch.testing.assert_close(y, x @ w.bfloat16().float().t(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["w4a16-g32", "w8a16-g64", "fp8-dynamic"])
+@pytest.mark.parametrize("m", [1, 40])  # the bound AVX2 GEMV (int4) and the general path
+def test_every_quantized_forward_goes_through_the_dispatch_point(name, m, monkeypatch):
+    _, _, _, lin = _layer(name, bias=True)
+    calls = []
+    real = dispatch.quant_linear
+
+    def counted(x, layer):
+        calls.append(layer)
+        return real(x, layer)
+
+    monkeypatch.setattr(dispatch, "quant_linear", counted)
+    lin(torch.randn(m, K))
+    fuse_linears([lin, _layer(name, bias=False, seed=1)[3]])(torch.randn(m, K))
+    assert len(calls) == 2 and calls[0] is lin
+
+
+def test_path_thresholds_live_only_in_the_dispatch_module():
+    root = Path(__file__).resolve().parent.parent
+    defined = [f"{p.relative_to(root)}: {line.strip()}" for p in [*(root / "kernels").glob("*.py"),
+                                                                   *(root / "qtoolkit" / "model").glob("*.py")]
+               for line in p.read_text().splitlines() if re.match(r"[A-Z0-9_]*_MAX_M\s*=", line)]
+    assert defined and all(d.startswith("kernels/dispatch.py") for d in defined), defined
