@@ -21,3 +21,7 @@ class OutputExistsError(QToolError):
 
 class DataError(QToolError):
     """Input data (completions, prompts, calibration sets) is malformed."""
+
+
+class DraftHeadError(QToolError):
+    """A draft head folder is missing, malformed, or does not fit the target it is meant to draft for."""
