@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="engine and HF precision: auto, float32, bfloat16")
     p.add_argument("--speculative", type=_proposers, default=[], metavar="PROPOSERS",
                    help="also measure the server with speculative decoding, one system per proposer: e.g. "
-                        "ngram,self-int4 (draft:PATH, self-fp8, self:PATH too); ratios give the speedup curve")
+                        "ngram,self-int4 (draft:PATH, self-fp8, self:PATH, eagle3:DIR too); ratios give the speedup curve")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="most drafts per step (1-16)")
     p.add_argument("--output", required=True, help="result JSON path")
 

@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     """The speculative decoding flags, shared by generate, serve and bench serve."""
     p.add_argument("--speculative", default=None, metavar="PROPOSER",
-                   help="speculative decoding: ngram, draft:PATH, self-int4, self-fp8, self:PATH or none (default)")
+                   help="speculative decoding: ngram, draft:PATH, self-int4, self-fp8, self:PATH, eagle3:DIR or none (default)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="most tokens proposed per step (1-16; adapted per sequence to its acceptance)")
 

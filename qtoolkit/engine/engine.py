@@ -183,10 +183,10 @@ class Engine:
             if self.speculator is not None:
                 self.speculator.propose(work, self.max_model_len, self.scheduler.max_num_batched_tokens)
             started = time.perf_counter()
-            logits = self.runner.forward(work)
-            new_tokens = self._choose_tokens(work, logits)
+            ran = self.runner.step(work, self.speculator.aux_layers if self.speculator is not None else ())
+            new_tokens = self._choose_tokens(work, ran.logits)
             if self.speculator is not None:
-                self.speculator.observe(work, time.perf_counter() - started)
+                self.speculator.observe(work, new_tokens, ran.aux, time.perf_counter() - started)
             for item, tokens in zip(work, new_tokens, strict=True):
                 if (out := self._commit(item, tokens)) is not None:
                     outputs.append(out)
@@ -221,8 +221,7 @@ class Engine:
         seq = item.seq
         if seq.num_computed_tokens < seq.num_prompt_tokens:
             self.counters["prompt_tokens"] += min(item.num_new, seq.num_prompt_tokens - seq.num_computed_tokens)
-        # accepted drafts keep their K/V; the target's own last token has none yet
-        seq.num_computed_tokens += item.num_new + (len(tokens) - 1 if item.drafts else 0)
+        seq.num_computed_tokens += item.kept(tokens)
         if self.speculator is not None:
             self.speculator.settle(item)
         for token in tokens:

@@ -42,6 +42,12 @@ class Chunk:
     num_logits: int = 1
 
 
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [sum(num_logits), vocab], in feed order
+    aux: list[torch.Tensor] | None = None  # per feed: [its rows, 3 * hidden] target features, when asked for
+
+
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
     c = model.config
     return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(model.dtype).bits // 8
@@ -109,8 +115,8 @@ class ModelRunner:
             group.gather, group.scatter = torch.tensor(gather), torch.tensor(scatter)
         return group
 
-    def prepare(self, feeds: list[Feed]) -> ForwardBatch:
-        """feeds in any order; logits come back in that order."""
+    def prepare(self, feeds: list[Feed], aux_layers: tuple[int, ...] = ()) -> tuple[ForwardBatch, list[int]]:
+        """feeds in any order; logits come back in that order. Also returns each feed's first row in the batch."""
         bs = self.block_size
         tokens = [f.tokens for f in feeds]
         sized = [(f, len(t)) for f, t in zip(feeds, tokens, strict=True)]
@@ -138,11 +144,20 @@ class ModelRunner:
         return ForwardBatch(input_ids=torch.tensor(ids), positions=torch.tensor(positions),
                             slot_mapping=torch.tensor(slots), groups=groups,
                             logits_rows=None if len(rows) == len(ids) and rows == sorted(rows) else
-                            torch.tensor(rows, dtype=torch.long))
+                            torch.tensor(rows, dtype=torch.long), aux_layers=aux_layers), \
+            [first_row[i] for i in range(len(feeds))]
 
     def forward(self, feeds: list[Feed]) -> torch.Tensor:
         """Writes the fed tokens' K/V into the cache; returns logits [sum(num_logits), vocab] in feed order."""
-        return self.model(self.prepare(feeds))
+        return self.model(self.prepare(feeds)[0])
+
+    def step(self, feeds: list[Feed], aux_layers: tuple[int, ...] = ()) -> StepOutput:
+        """forward(), plus the hidden states entering `aux_layers` for every fed row when any are asked for."""
+        if not aux_layers:
+            return StepOutput(self.forward(feeds))
+        batch, first_rows = self.prepare(feeds, aux_layers)
+        logits = self.model(batch)
+        return StepOutput(logits, [batch.aux[r:r + len(f.tokens)] for f, r in zip(feeds, first_rows, strict=True)])
 
     def run(self, work: list[tuple[Sequence, int]], num_logits: list[int]) -> torch.Tensor:
         """forward() for sequences' own next tokens: (sequence, how many), and how many trailing rows get logits."""

@@ -52,6 +52,11 @@ class WorkItem:
         """Rows that need logits: the last one when the step yields a token, plus one per draft verified."""
         return (1 + len(self.drafts)) if self.yields_token else 0
 
+    def kept(self, tokens: list[int]) -> int:
+        """How many fed tokens keep their K/V once `tokens` are chosen: the sequence's own, and the accepted
+        drafts (all chosen tokens but the target's own last one, which is fed next step)."""
+        return self.num_new + (len(tokens) - 1 if self.drafts else 0)
+
     @property
     def decodes(self) -> bool:
         """A plain decode: one committed token in, one token out (the only kind that may speculate)."""

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
+from ...draft.format import load_head
 from ...model.llama import LlamaModel
 from ...model.loader import load_model
 from ...sources import resolve_model
 from ..model_runner import ModelRunner
 from .base import MAX_SPECULATIVE_TOKENS, Proposer, SpeculativeConfigError
 from .draft import DraftModelProposer
+from .eagle3 import Eagle3Proposer
 from .ngram import NgramProposer
 from .self_draft import quantize_copy
 from .shared_kv import SharedKVDraftProposer, shares_kv_layout
 
-USAGE = "use ngram, draft:PATH, self-int4, self-fp8, self:PATH or none"
+USAGE = "use ngram, draft:PATH, self-int4, self-fp8, self:PATH, eagle3:DIR (a `qtool train-draft` head) or none"
 
 
 def check_speculative_args(speculative: str | None, num_speculative_tokens: int) -> str | None:
@@ -23,7 +25,7 @@ def check_speculative_args(speculative: str | None, num_speculative_tokens: int)
         return None
     spec = speculative.strip()
     kind, _, path = spec.partition(":")
-    if not (spec in ("ngram", "self-int4", "self-fp8") or (kind in ("draft", "self") and path)):
+    if not (spec in ("ngram", "self-int4", "self-fp8") or (kind in ("draft", "self", "eagle3") and path)):
         raise SpeculativeConfigError(f"--speculative {speculative!r} is unknown: {USAGE}")
     if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
             or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -56,9 +58,12 @@ def build_proposer(spec: str, target: LlamaModel, tokenizer, *, num_blocks: int,
                    dtype: str = "auto", target_runner: ModelRunner | None = None) -> Proposer:
     """The proposer for a spec accepted by check_speculative_args. A self-draft (the target quantized, in memory
     or from a checkpoint) reads the target's KV cache through `target_runner`; a `draft:` model keeps a cache
-    of its own with as many blocks as the target's."""
+    of its own with as many blocks as the target's; an `eagle3:` head reads the target's hidden states and is
+    refused (DraftHeadError, one line) when its hidden size, vocabulary or taps do not fit the target."""
     if spec == "ngram":
         return NgramProposer()
+    if spec.startswith("eagle3:"):
+        return Eagle3Proposer(load_head(spec.partition(":")[2], target.config, dtype=target.dtype), target, spec)
     if spec in ("self-int4", "self-fp8"):
         draft = quantize_copy(target, spec.removeprefix("self-"))
     else:

@@ -18,6 +18,7 @@ from ..scheduler import WorkItem
 from ..sequence import Sequence
 from .base import MAX_SPECULATIVE_TOKENS, Proposer
 from .builder import build_proposer
+from .eagle3 import Eagle3Proposer
 from .metrics import SpeculativeMetrics
 from .policy import SpeculationPolicy
 from .verify import verify
@@ -43,6 +44,9 @@ class Speculator:
                  blocks: BlockManager):
         self.proposer, self.policy, self.metrics, self.blocks = proposer, policy, metrics, blocks
         self.usage: dict[str, SpecUsage] = {}
+        # a head fed with the target's own hidden states: the verification forward captures them for it
+        self.features = proposer if isinstance(proposer, Eagle3Proposer) else None
+        self.aux_layers = self.features.aux_layers if self.features is not None else ()
         self._propose_seconds = 0.0
         draft = getattr(proposer, "model", None)  # a draft model's context bounds the engine's
         self.max_model_len = draft.config.max_position_embeddings if draft is not None else 1 << 62
@@ -117,8 +121,13 @@ class Speculator:
         if item.drafts:
             self.blocks.shrink(item.seq, item.seq.num_computed_tokens)
 
-    def observe(self, work: list[WorkItem], seconds: float) -> None:
-        """The step's verification (or plain decode) time, for the policy's cost model."""
+    def observe(self, work: list[WorkItem], chosen: list[list[int]], aux: list[torch.Tensor] | None,
+                seconds: float) -> None:
+        """After verification, before the commit: the step's time for the policy's cost model, and the target
+        features of every position the step keeps for a head that reads them."""
+        if self.features is not None and aux is not None:
+            for item, tokens, rows in zip(work, chosen, aux, strict=True):
+                self.features.observe(item.seq.request_id, item.start, rows[:item.kept(tokens)])
         drafted = [len(item.drafts) for item in work if item.drafts]
         if drafted:
             self.metrics.verify_seconds += seconds
