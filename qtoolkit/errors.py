@@ -25,3 +25,7 @@ class DataError(QToolError):
 
 class BackendError(QToolError):
     """A model backend cannot be built or does not answer."""
+
+
+class DraftHeadError(QToolError):
+    """A draft head folder is missing, malformed, or does not fit the target it is meant to draft for."""

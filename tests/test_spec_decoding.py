@@ -7,10 +7,16 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from test_model_llama import build_sharp_tiny_llama
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from qtoolkit.engine import Engine, SamplingParams
-from qtoolkit.engine.speculative import SpeculativeConfigError
+from qtoolkit.engine.sequence import Sequence
+from qtoolkit.engine.speculative import SpeculationPolicy, SpeculativeConfigError
+from qtoolkit.engine.speculative.ngram import NgramProposer
+from qtoolkit.engine.speculative.policy import PLAIN_REFRESH_STEPS
+from qtoolkit.engine.speculative.shared_kv import SharedKVDraftProposer
 
 # repetitive prompts give prompt lookup something to find; the tiny random model also loops on its own
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return", "one two three one two three one two",
@@ -104,9 +110,6 @@ def test_per_request_counters_and_policy_turns_speculation_off_for_big_batches(s
 
 
 def test_policy_picks_k_from_acceptance_and_draft_cost():
-    from qtoolkit.engine.sequence import Sequence
-    from qtoolkit.engine.speculative import SpeculationPolicy
-
     policy = SpeculationPolicy(8)
     policy.verify_cost = 0.0
     assert policy.best_k(0.9)[0] == 8  # free drafts, free verification: looking further never costs
@@ -120,17 +123,19 @@ def test_policy_picks_k_from_acceptance_and_draft_cost():
     for r in (3.0, 0.3, 0.3):
         warm.observe_cost(proposer_seconds=r, draft_steps=1, verify_seconds=1.0)
     assert warm.draft_cost == 0.3 and warm.best_k(0.9)[1] > 1.05
-    seq = Sequence("s", [1, 2, 3], SamplingParams())
-    assert policy.plan([(seq, 8)], step_tokens=1) == [0]  # first a plain step at this batch size, to time it
-    assert seq.spec_cooldown == 0
+    seq = policy.state("s")  # the policy's state for request "s"
+    assert policy.plan([("s", 8)], step_tokens=1) == [0]  # first a plain step at this batch size, to time it
+    assert seq.cooldown == 0
     policy.observe_plain(1, 0.1)
-    assert policy.plan([(seq, 8)], step_tokens=1) == [0]  # switched off ...
-    assert seq.spec_cooldown > 0
-    for _ in range(seq.spec_cooldown - 1):
-        policy.plan([(seq, 8)], step_tokens=1)
-    assert policy.plan([(seq, 8)], step_tokens=1) == [1]  # ... then probed again with one token
-    assert policy.plan([(seq, 8)], step_tokens=1) == [0]  # the probe did not change the costs:
-    assert seq.spec_cooldown == 2 * policy.cooldown_steps  # the next wait is twice as long
+    assert policy.plan([("s", 8)], step_tokens=1) == [0]  # switched off ...
+    assert seq.cooldown > 0
+    for _ in range(seq.cooldown - 1):
+        policy.plan([("s", 8)], step_tokens=1)
+    assert policy.plan([("s", 8)], step_tokens=1) == [1]  # ... then probed again with one token
+    assert policy.plan([("s", 8)], step_tokens=1) == [0]  # the probe did not change the costs:
+    assert seq.cooldown == 2 * policy.cooldown_steps  # the next wait is twice as long
+    policy.forget("s")
+    assert "s" not in policy.requests
     busy = SpeculationPolicy(4)  # a compute-bound CPU: 5 tokens cost 3.5x a 1-token step
     busy.observe_plain(1, 0.1)
     for _ in range(30):
@@ -140,19 +145,15 @@ def test_policy_picks_k_from_acceptance_and_draft_cost():
     assert busy.verify_cost < 0.9  # one descheduled step moves the estimate by a bounded amount
     assert busy.best_k(0.3)[1] < 1.0 < busy.best_k(0.95)[1]  # only near-certain drafts still pay
     cheap = SpeculationPolicy(4)
-    seqs = [Sequence(f"b{i}", [1, 2, 3], SamplingParams()) for i in range(3)]
+    seqs = [f"b{i}" for i in range(3)]
     cheap.observe_plain(3, 0.1)
     assert cheap.plan([(s, 4) for s in seqs], step_tokens=3) == [2, 2, 1]  # 5 spare tokens shared
     assert cheap.plan([(s, 4) for s in seqs], step_tokens=8) == [0, 0, 0]  # batch past the budget: off
     cheap.update(seqs[0], proposed=4, accepted=1)
-    assert seqs[0].spec_acceptance < 0.8
+    assert cheap.state(seqs[0]).acceptance < 0.8
 
 
 def test_verification_cost_is_learnt_per_batch_size():
-    from qtoolkit.engine.sequence import Sequence
-    from qtoolkit.engine.speculative import SpeculationPolicy
-    from qtoolkit.engine.speculative.policy import PLAIN_REFRESH_STEPS
-
     policy = SpeculationPolicy(4)
     policy.observe_plain(1, 0.030)
     policy.observe_plain(4, 0.032)
@@ -164,16 +165,15 @@ def test_verification_cost_is_learnt_per_batch_size():
     assert policy.verify_cost_at(8) == policy.verify_cost_at(4) and policy.verify_cost_at(2) == policy.verify_cost_at(1)
     # the same draft (r = 0.39, acceptance 0.9) pays for one sequence and not for four
     assert policy.best_k(0.9, 1)[1] > policy.min_gain > policy.best_k(0.9, 4)[1]
-    one = Sequence("one", [1, 2, 3], SamplingParams())
-    four = [Sequence(f"f{i}", [1, 2, 3], SamplingParams()) for i in range(4)]
+    one, four = "one", [f"f{i}" for i in range(4)]
     for s in [one, *four]:
-        s.spec_acceptance = 0.9
+        policy.state(s).acceptance = 0.9
     assert policy.plan([(one, 4)], step_tokens=1)[0] > 0
     assert policy.plan([(s, 4) for s in four], step_tokens=4) == [0, 0, 0, 0]
     # a batch size never timed plain gets a plain step first; later, one in PLAIN_REFRESH_STEPS refreshes it
     three = four[:3]
     for s in three:
-        s.spec_cooldown = 0
+        policy.state(s).cooldown = 0
     assert policy.plan([(s, 4) for s in three], step_tokens=3) == [0, 0, 0]
     policy.observe_plain(3, 0.031)
     plans = [policy.plan([(one, 4)], step_tokens=1) for _ in range(2 * PLAIN_REFRESH_STEPS)]
@@ -200,9 +200,6 @@ def test_bad_speculative_settings_fail_at_start_up(sharp_dir, tmp_path):
 
 
 def test_draft_with_a_different_vocabulary_is_refused(sharp_dir, tmp_path):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     cfg = LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
     torch.manual_seed(0)
@@ -220,9 +217,6 @@ def test_model_draft_skips_long_context_before_a_short_answer(sharp_dir, referen
     out = draft.generate([long_prompt], params, use_tqdm=False)[0]
     assert out.num_draft_tokens == 0 and len(out.token_ids) == 8
     assert draft.generate(["def add(a, b):"], params, use_tqdm=False)[0].num_draft_tokens > 0  # short: drafts
-    from qtoolkit.engine.sequence import Sequence
-    from qtoolkit.engine.speculative.ngram import NgramProposer
-
     assert NgramProposer().catch_up_tokens(Sequence("s", list(range(500)), params)) == 0
 
 
@@ -230,8 +224,6 @@ def test_self_draft_reads_the_target_cache_and_drafts_from_the_first_step(sharp_
     """A self-draft shares the target's KV cache: no cache of its own, nothing to catch up on, so it drafts for a
     long prompt too. Its K/V writes land in the slots verification overwrites: outputs stay the target's, and a
     sampled run with the target as its own draft (p == q) rejects almost nothing."""
-    from qtoolkit.engine.speculative.shared_kv import SharedKVDraftProposer
-
     engine = make(sharp_dir, speculative=f"self:{sharp_dir}", num_speculative_tokens=4, max_verify_tokens=64)
     proposer = engine.proposer
     assert isinstance(proposer, SharedKVDraftProposer) and proposer.runner.kv_cache is engine.runner.kv_cache

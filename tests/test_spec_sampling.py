@@ -1,6 +1,7 @@
-"""Rejection sampling is lossless: with a toy 16-token LlamaModel as target and another as draft, the tokens
-speculative verification emits follow the target's distribution (chi-square), while the draft's own tokens do
-not (so the test can tell a broken verifier apart)."""
+"""Rejection sampling is lossless: with a toy 16-token LlamaModel as target and another as draft (or a random
+EAGLE-3 head over 12 of the 16 tokens, drafting through its proposer), the tokens speculative verification emits
+follow the target's distribution (chi-square), while the draft's own tokens do not (so the test can tell a broken
+verifier apart)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import torch
 from scipy.stats import chisquare
 from torch import nn
 
-from qtoolkit.engine.model_runner import ModelRunner
+from qtoolkit.draft.head import Eagle3Config, Eagle3Head
+from qtoolkit.engine.model_runner import Chunk, ModelRunner
 from qtoolkit.engine.params import SamplingParams
 from qtoolkit.engine.sampler import warped_probs
 from qtoolkit.engine.sequence import Sequence
+from qtoolkit.engine.speculative.eagle3 import Eagle3Proposer
 from qtoolkit.engine.speculative.verify import verify
 from qtoolkit.model.llama import LlamaModel, ModelConfig
 
@@ -69,21 +72,50 @@ def toy_logits():
     return logits_for_all_drafts(toy_model(0)), logits_for_all_drafts(toy_model(1))
 
 
-@pytest.mark.parametrize("use_draft_probs,top_k", [(True, 12), (False, 0)], ids=["draft-model", "point-mass"])
-def test_rejection_sampling_emits_the_target_distribution(toy_logits, use_draft_probs, top_k):
+def eagle3_drafter(params: SamplingParams):
+    """Two-token drafts of a random EAGLE-3 head on toy_model(0), through the proposer: the target's features of
+    CONTEXT come from a capturing forward, as in the engine; each proposal starts from them again."""
+    target = toy_model(0)
+    torch.manual_seed(5)
+    head = Eagle3Head(Eagle3Config.from_target(target.config, draft_vocab_size=12))
+    with torch.no_grad():
+        for w in head.parameters():
+            w.normal_(0, 0.5)
+    head.set_vocab(torch.randperm(VOCAB)[:12])
+    proposer = Eagle3Proposer(head.eval(), target, "eagle3:toy")
+    seq = Sequence("e", CONTEXT, SamplingParams(temperature=params.temperature, top_k=params.top_k, seed=99))
+    ran = ModelRunner(target, num_blocks=2, block_size=4).step([Chunk(CONTEXT[:-1], 0, [0, 1])], proposer.aux_layers)
+    proposer.observe(seq.request_id, 0, ran.aux[0])
+
+    def draw(gen: torch.Generator) -> tuple[int, int, torch.Tensor | None]:
+        proposal = proposer.propose([(seq, 2)])[0]
+        return *proposal.tokens, proposal.draft_probs
+    return draw
+
+
+@pytest.mark.parametrize("drafter,top_k", [("draft-model", 12), ("point-mass", 0), ("eagle3", 12)],
+                         ids=["draft-model", "point-mass", "eagle3"])
+def test_rejection_sampling_emits_the_target_distribution(toy_logits, drafter, top_k):
     target, draft = toy_logits
     params = SamplingParams(temperature=0.8, top_k=top_k)
     p0 = warped_probs(target[0, 0, :1], [params])[0]
     q = warped_probs(draft.reshape(-1, VOCAB), [params] * VOCAB * VOCAB * 3).view(VOCAB, VOCAB, 3, VOCAB)
-    gen = torch.Generator().manual_seed(1234)
-    trials = 6000
-    firsts, drafted, seconds = torch.zeros(VOCAB), torch.zeros(VOCAB), {}
-    for _ in range(trials):
+
+    def draft_model(gen: torch.Generator) -> tuple[int, int, torch.Tensor | None]:
         a = int(torch.multinomial(q[0, 0, 0], 1, generator=gen))
         b = int(torch.multinomial(q[a, 0, 1], 1, generator=gen))
-        draft_probs = torch.stack([q[0, 0, 0], q[a, 0, 1]]) if use_draft_probs else None
-        if not use_draft_probs:  # a deterministic proposer: its guesses are fixed, q is a point mass
-            a, b = 2, 7
+        return a, b, torch.stack([q[0, 0, 0], q[a, 0, 1]])
+
+    def point_mass(gen: torch.Generator) -> tuple[int, int, torch.Tensor | None]:
+        draft_model(gen)  # the same draws of randomness as before; a deterministic proposer's guesses are fixed
+        return 2, 7, None
+
+    draw = {"draft-model": draft_model, "point-mass": point_mass}.get(drafter) or eagle3_drafter(params)
+    gen = torch.Generator().manual_seed(1234)
+    trials = 3000 if drafter == "eagle3" else 6000  # a proposal through the head costs ~3 ms here
+    firsts, drafted, seconds = torch.zeros(VOCAB), torch.zeros(VOCAB), {}
+    for _ in range(trials):
+        a, b, draft_probs = draw(gen)
         out = verify(target[a, b], [a, b], draft_probs, params, gen)
         firsts[out[0]] += 1
         drafted[a] += 1
@@ -92,7 +124,7 @@ def test_rejection_sampling_emits_the_target_distribution(toy_logits, use_draft_
     support = p0 > 0  # top-k cut the rest: those tokens must never appear
     assert firsts[~support].sum() == 0
     assert chisquare(firsts[support], p0[support] * trials).pvalue > 1e-3
-    if use_draft_probs:  # the draft alone is measurably different: a verifier that kept it would fail
+    if drafter != "point-mass":  # the draft alone is measurably different: a verifier that kept it would fail
         expected = p0[support] * drafted[support].sum()
         assert drafted[~support].sum() > 0 or chisquare(drafted[support], expected).pvalue < 1e-6
     # the token after an accepted first token follows the target given that token

@@ -3,17 +3,18 @@ engine-wide ones in /metrics, start-up errors as exit code 2."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import TIMEOUT, running, sse_events
 
 from qtoolkit.cli import main
+from qtoolkit.engine import Engine
+from qtoolkit.server import create_app
 
 
 def test_usage_block_and_metrics_report_speculation(tiny_model_dir):
-    from qtoolkit.engine import Engine
-    from qtoolkit.server import create_app
-
     # the target drafting for itself: every proposal is accepted, so the expected figures are exact
     engine = Engine(str(tiny_model_dir), kv_cache_memory="16MiB", speculative=f"draft:{tiny_model_dir}",
                     num_speculative_tokens=3)
@@ -48,8 +49,6 @@ def test_generate_cli_speculates_and_rejects_bad_flags(tiny_model_dir, capsys):
 
 
 def test_bench_serve_measures_the_speculative_curve(tiny_model_dir, tmp_path):
-    import json
-
     out = tmp_path / "bench.json"
     rc = main(["bench", "serve", "--model", str(tiny_model_dir), "--concurrency", "1,2", "--num-requests", "2",
                "--workload", "code", "--mean-output-tokens", "6", "--max-output-tokens", "8",

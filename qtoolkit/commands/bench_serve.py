@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="let requests stop at EOS (for endpoints that reject the ignore_eos extension)")
     p.add_argument("--speculative", type=_proposers, default=[], metavar="PROPOSERS",
                    help="also measure the server with speculative decoding, one system per proposer: e.g. "
-                        "ngram,self-int4 (draft:PATH, self-fp8, self:PATH too); ratios give the speedup curve")
+                        "ngram,self-int4 (draft:PATH, self-fp8, self:PATH, eagle3:DIR too); ratios give the speedup curve")
     p.add_argument("--rounds", default="1", metavar="N",
                    help="serve each tier this many times, on fresh requests each round, systems interleaved: every "
                         "spec / plain and continuous / static ratio gets a 95%% interval over the rounds")

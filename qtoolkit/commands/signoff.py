@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=_ints, default=[1, 8], help="bench tiers, e.g. 1,8,32")
     p.add_argument("--num-requests", type=int, help="requests per bench tier (default: two waves of the tier)")
     p.add_argument("--speculative", default="ngram",
-                   help="proposer of the ablation's speculative-decoding layer (ngram, self-int4, draft:PATH, ...; "
+                   help="proposer of the ablation's speculative-decoding layer (ngram, self-int4, draft:PATH, eagle3:DIR, ...; "
                         "default ngram; none leaves the layer out)")
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds of the throughput gates' systems at the top tier, on fresh requests each; the gates "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from typing import Protocol
 
 from .sequence import Sequence
 
@@ -30,6 +31,14 @@ def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
     digest = hashlib.blake2b(parent or _ROOT, digest_size=16)
     digest.update(ids.tobytes())
     return digest.digest()
+
+
+class KVOwner(Protocol):
+    """Whatever holds blocks: a Sequence, or a draft's KV handle (speculative/handle.py)."""
+
+    block_table: list[int]
+    block_hashes: list[bytes]
+    num_computed_tokens: int
 
 
 class Block:
@@ -108,11 +117,11 @@ class BlockManager:
                 self.cached[h] = block.block_id
 
     # -- allocation -----------------------------------------------------------------------------------
-    def can_grow(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
+    def can_grow(self, seq: KVOwner, num_tokens: int, reserve: int = 0) -> bool:
         """Whether `seq` can hold `num_tokens` tokens in total, leaving `reserve` blocks free."""
         return self.blocks_needed(num_tokens) - len(seq.block_table) + reserve <= len(self.free)
 
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
+    def grow(self, seq: KVOwner, num_tokens: int) -> None:
         """Append fresh blocks until `seq` can hold `num_tokens` tokens (caller checked can_grow)."""
         for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
             block_id, _ = self.free.popitem(last=False)
@@ -124,7 +133,7 @@ class BlockManager:
             block.ref_count = 1
             seq.block_table.append(block_id)
 
-    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+    def shrink(self, seq: KVOwner, num_tokens: int) -> None:
         """Roll back: free the tail blocks `seq` no longer needs to hold `num_tokens` tokens (rejected draft
         tokens' slots). Those blocks were never registered for reuse: only computed tokens are."""
         keep = self.blocks_needed(num_tokens)
@@ -135,7 +144,7 @@ class BlockManager:
                 self.free[block.block_id] = None
         del seq.block_hashes[keep:]
 
-    def free_before(self, seq: Sequence, position: int) -> None:
+    def free_before(self, seq: KVOwner, position: int) -> None:
         """Free the blocks wholly before `position`, which no later query of `seq` reads (every layer slides its
         window past them). Their table entries become HOLE so positions keep their block index; a freed block
         keeps its prefix hash until reused, like any freed block."""
@@ -148,7 +157,7 @@ class BlockManager:
             seq.block_table[i] = HOLE
             i -= 1
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: KVOwner) -> None:
         """Drop the sequence's references; tail blocks are freed first so shared prefixes stay cached longest."""
         for block_id in reversed(seq.block_table):
             if block_id == HOLE:

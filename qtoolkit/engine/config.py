@@ -54,7 +54,7 @@ class EngineConfig:
     max_model_len: int | None = field(default=None, metadata=_flag(
         "cap on prompt + output tokens (default: what the model and the KV cache hold)", type=int))
     speculative: str | None = field(default=None, metadata=_flag(
-        "speculative decoding: ngram, draft:PATH, self-int4, self-fp8, self:PATH or none (default)",
+        "speculative decoding: ngram, draft:PATH, self-int4, self-fp8, self:PATH, eagle3:DIR or none (default)",
         metavar="PROPOSER"))
     num_speculative_tokens: int = field(default=4, metadata=_flag(
         "most tokens proposed per step (1-16; adapted per sequence to its acceptance)", type=int, metavar="K"))

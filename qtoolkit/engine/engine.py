@@ -6,6 +6,7 @@ the change, and step() applies queued changes before it schedules.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import threading
@@ -22,26 +23,17 @@ from ..progress import bar, quiet
 from ..sources import ModelSource, resolve_model
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .model_runner import ModelRunner, kv_bytes_per_block
+from .model_runner import Chunk, ModelRunner, kv_bytes_per_block
 from .params import EngineInputError, RequestOutput, SamplingParams
 from .sampler import sample
-from .scheduler import Scheduler
+from .scheduler import Scheduler, WorkItem
 from .sequence import Sequence
 from .speculative import (
-    MAX_SPECULATIVE_TOKENS,
-    Proposal,
     Proposer,
     SpeculationPolicy,
-    SpeculativeMetrics,
-    build_proposer,
-    verify,
+    Speculator,
 )
 from .stats import EngineStats, SpeculativeStats
-
-# a model draft catches up on a long context (over CATCH_UP_MIN_TOKENS) only when the request may still generate
-# at least 1/CATCH_UP_RATIO as many tokens
-CATCH_UP_RATIO = 2
-CATCH_UP_MIN_TOKENS = 128
 
 
 class EngineCapacityError(QToolError):
@@ -74,20 +66,12 @@ class Engine:
         # when every layer slides a window, blocks wholly behind the smallest one are freed as sequences advance
         windows = [self.model.config.layer_window(i) for i in range(self.model.config.num_layers)]
         self.kv_window = None if None in windows else min(windows)
-        self.proposer: Proposer | None = None
-        self.spec_policy: SpeculationPolicy | None = None
-        self.spec_metrics: SpeculativeMetrics | None = None
-        self._last_propose_seconds = 0.0
-        if spec is not None:
-            # the draft's KV holds what the target's does plus k lookahead slots per running sequence
-            extra = max_num_seqs * -(-MAX_SPECULATIVE_TOKENS // block_size)
-            self.proposer = build_proposer(spec, self.model, self.tokenizer, num_blocks=num_blocks + extra,
-                                           block_size=block_size, dtype=dtype, target_runner=self.runner)
-            draft = getattr(self.proposer, "model", None)
-            if draft is not None:
-                self.max_model_len = min(self.max_model_len, draft.config.max_position_embeddings)
-            self.spec_policy = SpeculationPolicy(num_speculative_tokens, max_verify_tokens)
-            self.spec_metrics = SpeculativeMetrics(spec, num_speculative_tokens, max_verify_tokens)
+        self.speculator = None if spec is None else Speculator.build(
+            spec, self.model, self.tokenizer, self.runner, self.block_manager, dtype=dtype,
+            num_speculative_tokens=num_speculative_tokens, max_verify_tokens=max_verify_tokens,
+            max_num_seqs=max_num_seqs)
+        if self.speculator is not None:
+            self.max_model_len = min(self.max_model_len, self.speculator.max_model_len)
         self.eos_token_ids = self._eos_ids()
         self._seqs: dict[str, Sequence] = {}
         self._inbox: deque[tuple[str, object]] = deque()
@@ -145,146 +129,98 @@ class Engine:
                     self._seqs[item.request_id] = item
                     self.scheduler.add(item)
                 elif (seq := self._seqs.pop(item, None)) is not None:
-                    self._remove(seq)
                     seq.finish("abort")
-                    aborted.append(seq.report())
+                    aborted.append(self._report(seq))
+                    self._remove(seq)
         return aborted
 
     # -- one iteration ------------------------------------------------------------------------------------
+    @property
+    def proposer(self) -> Proposer | None:
+        return self.speculator.proposer if self.speculator is not None else None
+
+    @property
+    def spec_policy(self) -> SpeculationPolicy | None:
+        return self.speculator.policy if self.speculator is not None else None
+
     def _remove(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
-        if self.proposer is not None:
-            self.proposer.release(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
+
+    def _report(self, seq: Sequence) -> RequestOutput:
+        out = seq.report()
+        if self.speculator is None:
+            return out
+        usage = self.speculator.usage_of(seq.request_id)
+        return dataclasses.replace(out, num_draft_tokens=usage.drafted, num_accepted_tokens=usage.accepted,
+                                   num_spec_steps=usage.steps)
 
     def step(self) -> list[RequestOutput]:
+        """One iteration: schedule -> (propose drafts) -> run -> sample (or verify drafts) -> commit."""
         with self._lock:
             outputs = self._apply_inbox()
-            plan = self.scheduler.schedule()
-            if not plan:
+            work = self.scheduler.schedule().work
+            if not work:
                 return outputs
-            work = plan.work
-            num_logits = [1 if seq.num_computed_tokens + n == len(seq) else 0 for seq, n in work]
-            proposals = self._propose(work, num_logits) if self.proposer is not None else {}
-            t_verify = time.perf_counter()
-            logits = self.runner.run(work, num_logits)
-            new_tokens = self._choose_tokens(work, num_logits, logits, proposals)
-            if self.spec_policy is not None:
-                elapsed = time.perf_counter() - t_verify
-                if proposals:
-                    self.spec_metrics.verify_seconds += elapsed
-                    drafts = [len(p.tokens) for p in proposals.values()]
-                    self.spec_policy.observe_cost(self._last_propose_seconds, max(drafts), elapsed, len(work),
-                                                  sum(drafts))
-                elif all(n == 1 for _, n in work) and all(num_logits):
-                    self.spec_policy.observe_plain(len(work), elapsed)
-            for i, (seq, n) in enumerate(work):
-                if seq.num_computed_tokens < seq.num_prompt_tokens:
-                    self.counters["prompt_tokens"] += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-                if i in proposals:
-                    # only the accepted drafts keep their KV; the rejected slots are handed back
-                    seq.num_computed_tokens += len(new_tokens[i])
-                    self.block_manager.shrink(seq, seq.num_computed_tokens)
-                else:
-                    seq.num_computed_tokens += n
-                self.block_manager.register_full_blocks(seq)
-                if self.kv_window is not None:  # the next query, at num_computed_tokens, sees kv_window positions
-                    self.block_manager.free_before(seq, seq.num_computed_tokens - self.kv_window + 1)
+            if self.speculator is not None:
+                self.speculator.propose(work, self.max_model_len, self.scheduler.max_num_batched_tokens)
+            started = time.perf_counter()
+            ran = self.runner.step(work, self.speculator.aux_layers if self.speculator is not None else ())
+            new_tokens = self._choose_tokens(work, ran.logits)
+            if self.speculator is not None:
+                self.speculator.observe(work, new_tokens, ran.aux, time.perf_counter() - started)
+            for item, tokens in zip(work, new_tokens, strict=True):
+                if (out := self._commit(item, tokens)) is not None:
+                    outputs.append(out)
             self.counters["steps"] += 1
-            for i, (seq, _) in enumerate(work):
-                for token in new_tokens.get(i, ()):
-                    new_text = seq.append_token(token)
-                    self.counters["generation_tokens"] += 1
-                    self._check_finished(seq, token, new_text)
-                    if seq.finished:  # EOS, a stop string or max_tokens inside an accepted run: drop the rest
-                        self._remove(seq)
-                        self._seqs.pop(seq.request_id, None)
-                        self.counters["requests_finished"] += 1
-                        break
-                if i in new_tokens:
-                    outputs.append(seq.report())
             return outputs
 
-    def _propose(self, work: list[tuple[Sequence, int]], num_logits: list[int]) -> dict[int, Proposal]:
-        """Ask the proposer for the decoding sequences' drafts; they are appended to the sequences' tokens
-        (and KV blocks) so the verification forward scores them, and taken back out after verification."""
-        decoding = [i for i, (seq, n) in enumerate(work) if n == 1 and num_logits[i] == 1]
-        if not decoding:
-            return {}
-        step_tokens = sum(n for _, n in work)
-        caps = []
-        for i in decoding:
-            seq = work[i][0]
-            left = seq.params.max_tokens - seq.num_output_tokens - 1
-            # never draft past max_tokens (the target adds one token of its own) or the context
-            cap = max(0, min(left, self.max_model_len - len(seq), self.scheduler.max_num_batched_tokens - step_tokens))
-            # a draft model must first run the context it has not seen (the prompt, at the first proposal): not
-            # worth it when that is longer than what drafting could save over the rest of the request (a 250-token
-            # summarization prompt before a 50-token answer cost the self-int4 server 10-30% without this)
-            behind = self.proposer.catch_up_tokens(seq) if cap else 0
-            if behind > CATCH_UP_MIN_TOKENS and behind > CATCH_UP_RATIO * left:
-                cap = 0
-            caps.append(cap)
-        ks = self.spec_policy.plan([(work[i][0], c) for i, c in zip(decoding, caps, strict=True)], step_tokens)
-        batch = []
-        for i, k in zip(decoding, ks, strict=True):
-            seq = work[i][0]
-            while k > 0 and not self.block_manager.can_grow(seq, len(seq) + k):
-                k -= 1  # speculation never preempts anyone: it only uses free blocks
-            if k > 0:
-                self.block_manager.grow(seq, len(seq) + k)  # reserved now, so the next sequence sees the rest
-                batch.append((i, k))
-        if not batch:
-            self.spec_metrics.steps_without_speculation += 1
-            return {}
-        t0 = time.perf_counter()
-        drafted = self.proposer.propose([(work[i][0], k) for i, k in batch])
-        self._last_propose_seconds = time.perf_counter() - t0
-        self.spec_metrics.proposer_seconds += self._last_propose_seconds
-        proposals = {}
-        for (i, k), proposal in zip(batch, drafted, strict=True):
-            seq = work[i][0]
-            proposal.tokens = proposal.tokens[:k]
-            seq.token_ids.extend(proposal.tokens)
-            self.block_manager.shrink(seq, len(seq))  # hand back the reserve a shorter proposal did not use
-            if not proposal.tokens:
-                continue
-            work[i] = (seq, 1 + len(proposal.tokens))
-            num_logits[i] = 1 + len(proposal.tokens)
-            proposals[i] = proposal
-        if proposals:
-            self.spec_metrics.steps_with_speculation += 1
-        else:
-            self.spec_metrics.steps_without_speculation += 1
-        return proposals
-
-    def _choose_tokens(self, work: list[tuple[Sequence, int]], num_logits: list[int], logits: torch.Tensor,
-                       proposals: dict[int, Proposal]) -> dict[int, list[int]]:
-        """The tokens each sequence gains this step: one sampled token, or the verified run of a proposal."""
-        rows, plain, offset = {}, [], 0
-        for i, count in enumerate(num_logits):
-            rows[i] = offset
-            if count and i not in proposals:
+    def _choose_tokens(self, work: list[WorkItem], logits: torch.Tensor) -> list[list[int]]:
+        """The tokens each item gains this step: none (a prefill chunk), one sampled token, or the verified run
+        of its drafts."""
+        rows, plain, offset = [], [], 0
+        for i, item in enumerate(work):
+            rows.append(offset)
+            if item.num_logits and not item.drafts:
                 plain.append(i)
-            offset += count
-        chosen: dict[int, list[int]] = {}
+            offset += item.num_logits
+        chosen: list[list[int]] = [[] for _ in work]
         if plain:
-            plain_logits = logits if not proposals else logits.index_select(0, torch.tensor([rows[i] for i in plain]))
-            seqs = [work[i][0] for i in plain]
-            sampled = sample(plain_logits, [s.params for s in seqs], [s.generator for s in seqs])
-            chosen.update((i, [t]) for i, t in zip(plain, sampled, strict=True))
-        for i, proposal in proposals.items():
-            seq, k = work[i][0], len(proposal.tokens)
-            del seq.token_ids[-k:]
-            tokens = verify(logits[rows[i]:rows[i] + k + 1], proposal.tokens, proposal.draft_probs, seq.params,
-                            seq.generator)
-            accepted = len(tokens) - 1
-            seq.num_draft_tokens += k
-            seq.num_accepted_tokens += accepted
-            seq.num_spec_steps += 1
-            self.spec_policy.update(seq, k, accepted)
-            self.spec_metrics.record(k, accepted)
-            chosen[i] = tokens
-        return dict(sorted(chosen.items()))
+            plain_logits = logits if len(plain) == offset else \
+                logits.index_select(0, torch.tensor([rows[i] for i in plain]))
+            seqs = [work[i].seq for i in plain]
+            for i, token in zip(plain, sample(plain_logits, [s.params for s in seqs], [s.generator for s in seqs]),
+                                strict=True):
+                chosen[i] = [token]
+        for i, item in enumerate(work):
+            if item.drafts:
+                chosen[i] = self.speculator.verify(item, logits[rows[i]:rows[i] + item.num_logits])
+        return chosen
+
+    def _commit(self, item: WorkItem, tokens: list[int]) -> RequestOutput | None:
+        """Advance the sequence past what this step computed, append its new tokens (up to a finish) and hand
+        back its report when it gained any."""
+        seq = item.seq
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            self.counters["prompt_tokens"] += min(item.num_new, seq.num_prompt_tokens - seq.num_computed_tokens)
+        seq.num_computed_tokens += item.kept(tokens)
+        if self.speculator is not None:
+            self.speculator.settle(item)
+        for token in tokens:
+            new_text = seq.append_token(token)
+            self.counters["generation_tokens"] += 1
+            self._check_finished(seq, token, new_text)
+            if seq.finished:  # EOS, a stop string or max_tokens inside an accepted run: drop the rest
+                out = self._report(seq)
+                self._remove(seq)
+                self._seqs.pop(seq.request_id, None)
+                self.counters["requests_finished"] += 1
+                return out
+        self.block_manager.register_full_blocks(seq)
+        if self.kv_window is not None:  # the next query, at num_computed_tokens, sees kv_window positions
+            self.block_manager.free_before(seq, seq.num_computed_tokens - self.kv_window + 1)
+        return self._report(seq) if tokens else None
 
     def _check_finished(self, seq: Sequence, token: int, new_text: str) -> None:
         p = seq.params
@@ -362,7 +298,9 @@ class Engine:
                     if not work:
                         raise EngineCapacityError(f"not enough free KV blocks to score {len(seqs[first])} tokens: "
                                                   "raise kv_cache_memory or score while no requests run")
-                    logprobs = self.runner.run(work, [n for _, n in work]).log_softmax(dim=-1)
+                    chunks = [Chunk(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n], s.num_computed_tokens,
+                                    s.block_table, n) for s, n in work]
+                    logprobs = self.runner.forward(chunks).log_softmax(dim=-1)
                     offset = 0
                     for seq, n in work:
                         pieces[index[id(seq)]].append(logprobs[offset:offset + n])
@@ -388,13 +326,13 @@ class Engine:
             **self.counters, speculative=self._speculative_stats())
 
     def _speculative_stats(self) -> SpeculativeStats | None:
-        m = self.spec_metrics
-        if m is None:
+        if self.speculator is None:
             return None
+        m, policy = self.speculator.metrics, self.speculator.policy
         return SpeculativeStats(
             proposer=m.proposer, num_speculative_tokens=m.num_speculative_tokens,
             max_verify_tokens=m.max_verify_tokens, verify_steps=m.verify_steps, draft_tokens=m.draft_tokens,
             accepted_tokens=m.accepted_tokens, proposed_at=list(m.proposed_at), accepted_at=list(m.accepted_at),
             steps_with_speculation=m.steps_with_speculation, steps_without_speculation=m.steps_without_speculation,
             proposer_seconds=m.proposer_seconds, verify_seconds=m.verify_seconds,
-            draft_cost_ratio=self.spec_policy.draft_cost, verify_cost_per_token=self.spec_policy.verify_cost)
+            draft_cost_ratio=policy.draft_cost, verify_cost_per_token=policy.verify_cost)

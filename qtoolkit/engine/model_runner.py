@@ -1,7 +1,11 @@
-"""Turns one scheduled step (sequences and how many new tokens each brings) into a flat forward batch over the
-paged KV cache, runs the model and hands back float32 logits for the rows that need them."""
+"""Turns one scheduled step (what each sequence feeds: tokens from a position on, over its block table) into a
+flat forward batch over the paged KV cache, runs the model and hands back float32 logits for the rows that need
+them."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from qtoolkit.kernels.cpu_build import engine_ops
@@ -12,6 +16,36 @@ from .sequence import Sequence
 # Sequences bringing at most this many tokens (decode, speculative verification) share one padded attention
 # call; longer prefill chunks get a call each, so a decode batch is never padded up to a prefill's length.
 SHORT_QUERY = 16
+
+
+class Feed(Protocol):
+    """What one sequence brings to a forward: `tokens` at positions start, start+1, ... whose K/V go to the slots
+    of `block_table`; the last `num_logits` rows get logits. The engine's WorkItem is one."""
+
+    @property
+    def tokens(self) -> list[int]: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def block_table(self) -> list[int]: ...
+    @property
+    def num_logits(self) -> int: ...
+
+
+@dataclass
+class Chunk:
+    """A Feed built on the spot (draft steps, teacher-forced scoring, tests)."""
+
+    tokens: list[int]
+    start: int
+    block_table: list[int]
+    num_logits: int = 1
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [sum(num_logits), vocab], in feed order
+    aux: list[torch.Tensor] | None = None  # per feed: [its rows, 3 * hidden] target features, when asked for
 
 
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
@@ -35,35 +69,35 @@ class ModelRunner:
         # decode and verify rows attend in place over the paged cache when the CPU ops are built
         self.paged_attention = self.kv_cache.device.type == "cpu" and engine_ops() is not None
 
-    def _block_table(self, seqs: list[tuple[Sequence, int]]) -> torch.Tensor:
+    def _block_table(self, feeds: list[tuple[Feed, int]]) -> torch.Tensor:
         """[S, max_blocks] int64: the blocks each sequence's attention reads, padded with block 0."""
         bs = self.block_size
-        counts = [-(-(s.num_computed_tokens + n) // bs) for s, n in seqs]
-        table = torch.zeros(len(seqs), max(counts), dtype=torch.long)
-        for i, ((s, _), nb) in enumerate(zip(seqs, counts, strict=True)):
-            table[i, :nb] = torch.tensor(s.block_table[:nb]).clamp_(min=0)  # a HOLE (freed) reads block 0, masked
+        counts = [-(-(f.start + n) // bs) for f, n in feeds]
+        table = torch.zeros(len(feeds), max(counts), dtype=torch.long)
+        for i, ((f, _), nb) in enumerate(zip(feeds, counts, strict=True)):
+            table[i, :nb] = torch.tensor(f.block_table[:nb]).clamp_(min=0)  # a HOLE (freed) reads block 0, masked
         return table
 
-    def _paged_group(self, seqs: list[tuple[Sequence, int]], first_row: int) -> AttentionGroup:
+    def _paged_group(self, feeds: list[tuple[Feed, int]], first_row: int) -> AttentionGroup:
         """Short queries for engine_ops.paged_attention: rows stay flat, each knows its sequence and horizon."""
-        table = self._block_table(seqs)
+        table = self._block_table(feeds)
         row_seq, row_last = [], []
-        for i, (s, n) in enumerate(seqs):
+        for i, (f, n) in enumerate(feeds):
             row_seq += [i] * n
-            row_last += range(s.num_computed_tokens, s.num_computed_tokens + n)
-        return AttentionGroup(rows=slice(first_row, first_row + len(row_seq)), num_seqs=len(seqs),
-                              q_len=max(n for _, n in seqs), block_table=table, row_seq=torch.tensor(row_seq),
+            row_last += range(f.start, f.start + n)
+        return AttentionGroup(rows=slice(first_row, first_row + len(row_seq)), num_seqs=len(feeds),
+                              q_len=max(n for _, n in feeds), block_table=table, row_seq=torch.tensor(row_seq),
                               row_last=torch.tensor(row_last))
 
-    def _group(self, seqs: list[tuple[Sequence, int]], first_row: int) -> AttentionGroup:
+    def _group(self, feeds: list[tuple[Feed, int]], first_row: int) -> AttentionGroup:
         bs, G = self.block_size, self.group
-        lens = [n for _, n in seqs]
-        S, Q = len(seqs), max(lens)
-        table = self._block_table(seqs)
+        lens = [n for _, n in feeds]
+        S, Q = len(feeds), max(lens)
+        table = self._block_table(feeds)
         max_blocks = table.shape[1]
         last_pos = torch.zeros(S, Q, dtype=torch.long)  # the newest position each query row may see
-        for i, (s, n) in enumerate(seqs):
-            last_pos[i, :n] = torch.arange(s.num_computed_tokens, s.num_computed_tokens + n)
+        for i, (f, n) in enumerate(feeds):
+            last_pos[i, :n] = torch.arange(f.start, f.start + n)
         slots = torch.arange(max_blocks * bs)[None, None, :]
         mask = slots <= last_pos[:, :, None]  # pad rows see slot 0 only
         # a sliding window of w: a query sees its last w positions (transformers: kv > q - w)
@@ -81,36 +115,51 @@ class ModelRunner:
             group.gather, group.scatter = torch.tensor(gather), torch.tensor(scatter)
         return group
 
-    def prepare(self, work: list[tuple[Sequence, int]], num_logits: list[int]) -> ForwardBatch:
-        """work: (sequence, new tokens) in any order; num_logits: how many trailing rows of each get logits."""
+    def prepare(self, feeds: list[Feed], aux_layers: tuple[int, ...] = ()) -> tuple[ForwardBatch, list[int]]:
+        """feeds in any order; logits come back in that order. Also returns each feed's first row in the batch."""
         bs = self.block_size
-        short = [i for i, (_, n) in enumerate(work) if n <= SHORT_QUERY]
-        order = short + [i for i, (_, n) in enumerate(work) if n > SHORT_QUERY]
+        tokens = [f.tokens for f in feeds]
+        sized = [(f, len(t)) for f, t in zip(feeds, tokens, strict=True)]
+        short = [i for i, (_, n) in enumerate(sized) if n <= SHORT_QUERY]
+        order = short + [i for i, (_, n) in enumerate(sized) if n > SHORT_QUERY]
         ids, positions, slots, first_row = [], [], [], {}
         for i in order:
-            seq, n = work[i]
-            start = seq.num_computed_tokens
+            feed, n = sized[i]
             first_row[i] = len(ids)
-            ids += seq.token_ids[start:start + n]
-            pos = range(start, start + n)
+            ids += tokens[i]
+            pos = range(feed.start, feed.start + n)
             positions += pos
-            table = seq.block_table
+            table = feed.block_table
             slots += [table[p // bs] * bs + p % bs for p in pos]
         groups = []
         if short:
             group = self._paged_group if self.paged_attention else self._group
-            groups.append(group([work[i] for i in short], 0))
+            groups.append(group([sized[i] for i in short], 0))
         for i in order[len(short):]:
-            groups.append(self._group([work[i]], first_row[i]))
+            groups.append(self._group([sized[i]], first_row[i]))
         rows = []
-        for i, k in enumerate(num_logits):
-            end = first_row[i] + work[i][1]
-            rows += range(end - k, end)
+        for i, (feed, n) in enumerate(sized):
+            end = first_row[i] + n
+            rows += range(end - feed.num_logits, end)
         return ForwardBatch(input_ids=torch.tensor(ids), positions=torch.tensor(positions),
                             slot_mapping=torch.tensor(slots), groups=groups,
                             logits_rows=None if len(rows) == len(ids) and rows == sorted(rows) else
-                            torch.tensor(rows, dtype=torch.long))
+                            torch.tensor(rows, dtype=torch.long), aux_layers=aux_layers), \
+            [first_row[i] for i in range(len(feeds))]
+
+    def forward(self, feeds: list[Feed]) -> torch.Tensor:
+        """Writes the fed tokens' K/V into the cache; returns logits [sum(num_logits), vocab] in feed order."""
+        return self.model(self.prepare(feeds)[0])
+
+    def step(self, feeds: list[Feed], aux_layers: tuple[int, ...] = ()) -> StepOutput:
+        """forward(), plus the hidden states entering `aux_layers` for every fed row when any are asked for."""
+        if not aux_layers:
+            return StepOutput(self.forward(feeds))
+        batch, first_rows = self.prepare(feeds, aux_layers)
+        logits = self.model(batch)
+        return StepOutput(logits, [batch.aux[r:r + len(f.tokens)] for f, r in zip(feeds, first_rows, strict=True)])
 
     def run(self, work: list[tuple[Sequence, int]], num_logits: list[int]) -> torch.Tensor:
-        """Writes the new tokens' K/V into the cache; returns logits [sum(num_logits), vocab] in work order."""
-        return self.model(self.prepare(work, num_logits))
+        """forward() for sequences' own next tokens: (sequence, how many), and how many trailing rows get logits."""
+        return self.forward([Chunk(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n], s.num_computed_tokens,
+                                   s.block_table, k) for (s, n), k in zip(work, num_logits, strict=True)])

@@ -13,13 +13,59 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
 
 
 @dataclass
+class WorkItem:
+    """One sequence's share of a step: its next `num_new` uncomputed tokens, then any draft tokens to verify.
+
+    The drafts travel here, never in `seq.token_ids`, which holds only committed tokens."""
+
+    seq: Sequence
+    num_new: int
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # q of each draft token [len(drafts), vocab]; None = point masses
+    yields_token: bool = field(init=False)  # the step reaches the sequence's last token, so it samples the next
+
+    def __post_init__(self) -> None:
+        self.yields_token = self.seq.num_computed_tokens + self.num_new == len(self.seq)
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def tokens(self) -> list[int]:
+        start = self.seq.num_computed_tokens
+        return self.seq.token_ids[start:start + self.num_new] + self.drafts
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.seq.block_table
+
+    @property
+    def num_logits(self) -> int:
+        """Rows that need logits: the last one when the step yields a token, plus one per draft verified."""
+        return (1 + len(self.drafts)) if self.yields_token else 0
+
+    def kept(self, tokens: list[int]) -> int:
+        """How many fed tokens keep their K/V once `tokens` are chosen: the sequence's own, and the accepted
+        drafts (all chosen tokens but the target's own last one, which is fed next step)."""
+        return self.num_new + (len(tokens) - 1 if self.drafts else 0)
+
+    @property
+    def decodes(self) -> bool:
+        """A plain decode: one committed token in, one token out (the only kind that may speculate)."""
+        return self.num_new == 1 and self.yields_token
+
+
+@dataclass
 class ScheduledStep:
-    work: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens this step)
+    work: list[WorkItem] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     def __bool__(self) -> bool:
@@ -85,7 +131,7 @@ class Scheduler:
             if seq.status is SequenceStatus.WAITING:
                 break
             self.blocks.grow(seq, seq.num_computed_tokens + n)
-            step.work.append((seq, n))
+            step.work.append(WorkItem(seq, n))
             budget -= n
             i += 1
         # 2. waiting sequences join while budget, slots and blocks last (not right after a preemption)
@@ -104,7 +150,7 @@ class Scheduler:
                 self.waiting.popleft()
                 self._admit(seq, cached)
                 self.blocks.grow(seq, seq.num_computed_tokens + n)
-                step.work.append((seq, n))
+                step.work.append(WorkItem(seq, n))
                 budget -= n
         return step
 

@@ -42,14 +42,6 @@ class Sequence:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
         self._reported_tokens = 0
         self._reported_chars = 0
-        # speculative decoding: the policy's per-sequence state and the request's acceptance counters
-        self.spec_k: int | None = None  # the lookahead the policy last chose
-        self.spec_acceptance = 0.8  # moving estimate of the per-draft-token acceptance probability
-        self.spec_cooldown = 0  # steps left without proposals after acceptance collapsed
-        self.spec_failed_probes = 0  # probes in a row that found speculation not paying (doubles the cooldown)
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.num_spec_steps = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -97,8 +89,6 @@ class Sequence:
             request_id=self.request_id, new_token_ids=new_ids, new_text=new_text, finished=self.finished,
             finish_reason=self.finish_reason, num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=len(out_ids), text=text, token_ids=list(out_ids),
-            num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens,
-            num_spec_steps=self.num_spec_steps,
         )
 
 

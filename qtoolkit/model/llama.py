@@ -209,6 +209,10 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset) for each token's K/V
     groups: list[AttentionGroup]
     logits_rows: torch.Tensor | None  # rows that get logits; None = all
+    # EAGLE-3 taps: the residual stream entering each of these layers, for every row, is left in `aux`
+    # ([T, len(aux_layers) * hidden], in aux_layers order); nothing is captured when empty
+    aux_layers: tuple[int, ...] = ()
+    aux: torch.Tensor | None = None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -418,8 +422,13 @@ class LlamaModel(nn.Module):
         cos = self.rope_cos.index_select(1, batch.positions).unsqueeze(2)  # [ropes, T, 1, D/2]
         sin = self.rope_sin.index_select(1, batch.positions).unsqueeze(2)
         residual = None
-        for layer, r in zip(self.layers, self.rope_index, strict=True):
+        taps: dict[int, torch.Tensor] = {}
+        for i, (layer, r) in enumerate(zip(self.layers, self.rope_index, strict=True)):
+            if i in batch.aux_layers:
+                taps[i] = x if residual is None else x + residual
             x, residual = layer.forward(x, residual, cos[r], sin[r], batch)
+        if taps:
+            batch.aux = torch.cat([taps[i] for i in batch.aux_layers], dim=-1)
         if batch.logits_rows is not None:
             x, residual = x.index_select(0, batch.logits_rows), residual.index_select(0, batch.logits_rows)
         logits = self.lm_head.forward(self.norm.add_forward(x, residual)[0])

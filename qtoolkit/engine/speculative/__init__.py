@@ -1,86 +1,17 @@
 """Speculative decoding: proposers (prompt lookup, draft model, quantized self-draft), lossless verification and
-the load-aware policy. `build_proposer` turns the user's `--speculative` value into a proposer at start-up and
-fails there, with one clear message, on anything it cannot use."""
+the load-aware policy, tied together by the Speculator (propose -> verify -> roll back). `build_proposer` turns
+the user's `--speculative` value into a proposer at start-up and fails there, with one clear message, on anything
+it cannot use."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .base import MAX_SPECULATIVE_TOKENS, Proposal, Proposer, SpeculativeConfigError
+from .builder import USAGE, build_proposer, check_speculative_args
 from .metrics import SpeculativeMetrics
-from .ngram import NgramProposer
 from .policy import DEFAULT_MAX_VERIFY_TOKENS, SpeculationPolicy
+from .speculator import Speculator
 from .verify import verify
 
-if TYPE_CHECKING:
-    from ...model.llama import LlamaModel
-    from ..model_runner import ModelRunner
-
-__all__ = ["MAX_SPECULATIVE_TOKENS", "DEFAULT_MAX_VERIFY_TOKENS", "Proposal", "Proposer", "SpeculationPolicy",
-           "SpeculativeConfigError", "SpeculativeMetrics", "build_proposer", "check_speculative_args", "verify"]
-
-USAGE = "use ngram, draft:PATH, self-int4, self-fp8, self:PATH or none"
-
-
-def check_speculative_args(speculative: str | None, num_speculative_tokens: int) -> str | None:
-    """Validate the flags before anything loads; returns the normalized proposer spec (None = off)."""
-    if speculative is None or speculative.strip().lower() in ("", "none", "off"):
-        return None
-    spec = speculative.strip()
-    kind, _, path = spec.partition(":")
-    if not (spec in ("ngram", "self-int4", "self-fp8") or (kind in ("draft", "self") and path)):
-        raise SpeculativeConfigError(f"--speculative {speculative!r} is unknown: {USAGE}")
-    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
-            or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-        raise SpeculativeConfigError(f"--num-speculative-tokens {num_speculative_tokens!r} is out of range: give "
-                                     f"an integer from 1 to {MAX_SPECULATIVE_TOKENS}")
-    return spec
-
-
-def _load_draft(path: str, target: LlamaModel, tokenizer, dtype: str) -> LlamaModel:
-    from transformers import AutoTokenizer
-
-    from ...model.loader import load_model
-    from ...sources import resolve_model
-
-    try:
-        source = resolve_model(path)
-        model = load_model(source, dtype)
-    except Exception as e:  # any failure to read it is the user's draft, not our bug: name it
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise SpeculativeConfigError(f"draft model {path} failed to load ({first}): pass a LLaMA-family HF folder "
-                                     "or a qtool quantize checkpoint") from None
-    if model.config.vocab_size != target.config.vocab_size:
-        raise SpeculativeConfigError(f"draft model {path} has a vocabulary of {model.config.vocab_size} tokens but "
-                                     f"the target has {target.config.vocab_size}: the draft must use the target's "
-                                     "tokenizer")
-    if any(source.path.glob("tokenizer*")):
-        draft_vocab = AutoTokenizer.from_pretrained(source.path).get_vocab()
-        if draft_vocab != tokenizer.get_vocab():
-            raise SpeculativeConfigError(f"draft model {path} uses a different tokenizer than the target: pick a "
-                                         "draft from the same model family (same tokenizer)")
-    return model
-
-
-def build_proposer(spec: str, target: LlamaModel, tokenizer, *, num_blocks: int, block_size: int,
-                   dtype: str = "auto", target_runner: ModelRunner | None = None) -> Proposer:
-    """The proposer for a spec accepted by check_speculative_args. A self-draft (the target quantized, in memory
-    or from a checkpoint) reads the target's KV cache through `target_runner`; a `draft:` model keeps a cache
-    of its own with as many blocks as the target's."""
-    from .draft import DraftModelProposer
-    from .self_draft import quantize_copy
-    from .shared_kv import SharedKVDraftProposer, shares_kv_layout
-
-    if spec == "ngram":
-        return NgramProposer()
-    if spec in ("self-int4", "self-fp8"):
-        draft = quantize_copy(target, spec.removeprefix("self-"))
-    else:
-        draft = _load_draft(spec.partition(":")[2], target, tokenizer, dtype)
-        if spec.startswith("self:") and not shares_kv_layout(draft, target):
-            raise SpeculativeConfigError(f"--speculative {spec}: the checkpoint's layers, KV heads or dtype differ "
-                                         "from the target's, so it cannot read the target's cache: pass it as "
-                                         "draft:PATH")
-    if spec.startswith("self") and target_runner is not None:
-        return SharedKVDraftProposer(draft, target_runner, name=spec)
-    return DraftModelProposer(draft, num_blocks, block_size, name=spec)
+__all__ = ["MAX_SPECULATIVE_TOKENS", "DEFAULT_MAX_VERIFY_TOKENS", "USAGE", "Proposal", "Proposer",
+           "SpeculationPolicy", "SpeculativeConfigError", "SpeculativeMetrics", "Speculator", "build_proposer",
+           "check_speculative_args", "verify"]

@@ -28,6 +28,9 @@ class Proposal:
 
 class Proposer(Protocol):
     name: str
+    # what catching up one token costs against the target prefilling one (a draft model ~1, a shared cache 0):
+    # the engine weighs catch_up_tokens by it before deciding a long context is worth catching up on
+    catch_up_cost: float
 
     def propose(self, batch: list[tuple[Sequence, int]]) -> list[Proposal]:
         """Up to k next tokens for each (sequence, k); an empty proposal means plain decoding this step."""

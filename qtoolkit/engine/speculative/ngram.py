@@ -12,6 +12,7 @@ from .base import Proposal
 
 class NgramProposer:
     name = "ngram"
+    catch_up_cost = 0.0
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, window: int = 4096):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

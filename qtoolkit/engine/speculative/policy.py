@@ -34,13 +34,21 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-
-from ..sequence import Sequence
+from dataclasses import dataclass
 
 DEFAULT_MAX_VERIFY_TOKENS = 8
 DEFAULT_VERIFY_COST = 0.125
 # every this many decode-only steps at a batch size, one runs without proposals to refresh its plain-step time
 PLAIN_REFRESH_STEPS = 50
+
+
+@dataclass
+class RequestPolicy:
+    """The policy's state for one request."""
+
+    acceptance: float = 0.8  # moving estimate of the per-draft-token acceptance probability
+    cooldown: int = 0  # steps left without proposals after acceptance collapsed
+    failed_probes: int = 0  # probes in a row that found speculation not paying (doubles the cooldown)
 
 
 class SpeculationPolicy:
@@ -61,6 +69,17 @@ class SpeculationPolicy:
         self._last_batch = 1
         self._plain_step: dict[int, float] = {}  # sequences in a decode-only step -> seconds (moving average)
         self._decode_steps: dict[int, int] = {}  # decode-only steps planned, per number of sequences
+        self.requests: dict[str, RequestPolicy] = {}
+
+    def state(self, request_id: str) -> RequestPolicy:
+        state = self.requests.get(request_id)
+        if state is None:
+            state = self.requests[request_id] = RequestPolicy()
+        return state
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was aborted."""
+        self.requests.pop(request_id, None)
 
     @staticmethod
     def expected_tokens(acceptance: float, k: int) -> float:
@@ -93,25 +112,25 @@ class SpeculationPolicy:
         gain, k = max(gains)
         return k, gain
 
-    def wanted_k(self, seq: Sequence, num_seqs: int = 1) -> int:
+    def wanted_k(self, request_id: str, num_seqs: int = 1) -> int:
         if not self.adaptive:
             return self.max_k
-        if seq.spec_cooldown > 0:
-            seq.spec_cooldown -= 1
-            return 1 if seq.spec_cooldown == 0 else 0  # the probe
-        k, gain = self.best_k(seq.spec_acceptance, num_seqs)
+        state = self.state(request_id)
+        if state.cooldown > 0:
+            state.cooldown -= 1
+            return 1 if state.cooldown == 0 else 0  # the probe
+        k, gain = self.best_k(state.acceptance, num_seqs)
         if gain < self.min_gain:
             # each failed probe doubles the wait (16, 32, ... 1024 steps): a probe of a model draft costs a
             # catch-up forward, and a sequence where drafting does not pay should not keep paying for probes
-            seq.spec_cooldown = min(self.cooldown_steps << seq.spec_failed_probes, 1024)
-            seq.spec_failed_probes += 1
+            state.cooldown = min(self.cooldown_steps << state.failed_probes, 1024)
+            state.failed_probes += 1
             return 0
-        seq.spec_failed_probes = 0
-        seq.spec_k = k
+        state.failed_probes = 0
         return k
 
-    def plan(self, candidates: list[tuple[Sequence, int]], step_tokens: int) -> list[int]:
-        """k for each (sequence, most it may take) that could speculate, given the step's other tokens.
+    def plan(self, candidates: list[tuple[str, int]], step_tokens: int) -> list[int]:
+        """k for each (request id, most it may take) that could speculate, given the step's other tokens.
 
         The spare tokens under max_verify_tokens go one at a time, round robin, to the sequences with the best
         recent acceptance first, so a single stream gets its whole k and a growing batch shares a shrinking pool.
@@ -126,8 +145,8 @@ class SpeculationPolicy:
             self._decode_steps[n] = seen + 1
             if n not in self._plain_step or seen % PLAIN_REFRESH_STEPS == PLAIN_REFRESH_STEPS - 1:
                 return ks
-        wants = [min(self.wanted_k(seq, n), cap) for seq, cap in candidates]
-        order = sorted(range(len(candidates)), key=lambda i: -candidates[i][0].spec_acceptance)
+        wants = [min(self.wanted_k(rid, n), cap) for rid, cap in candidates]
+        order = sorted(range(len(candidates)), key=lambda i: -self.state(candidates[i][0]).acceptance)
         while spare > 0:
             given = False
             for i in order:
@@ -139,13 +158,14 @@ class SpeculationPolicy:
                 break
         return ks
 
-    def update(self, seq: Sequence, proposed: int, accepted: int) -> None:
+    def update(self, request_id: str, proposed: int, accepted: int) -> None:
         """After verification of `proposed` tokens of which the first `accepted` were kept."""
         if proposed <= 0:
             return
         # each draft token up to the first rejection was one acceptance trial
         trials = accepted + (accepted < proposed)
-        seq.spec_acceptance += self.smoothing * (accepted / trials - seq.spec_acceptance)
+        state = self.state(request_id)
+        state.acceptance += self.smoothing * (accepted / trials - state.acceptance)
 
     def observe_plain(self, num_seqs: int, seconds: float) -> None:
         """Timing of a decode-only step without proposals (the baseline verification is compared with)."""

@@ -19,7 +19,8 @@ from ...model.llama import LlamaModel
 from ..model_runner import ModelRunner
 from ..sequence import Sequence
 from .base import Proposal
-from .draft import GREEDY, draft_generator, draft_steps
+from .draft import Drafting, draft_generator, draft_steps
+from .handle import KVHandle
 
 
 def shares_kv_layout(draft: LlamaModel, target: LlamaModel) -> bool:
@@ -33,6 +34,8 @@ def shares_kv_layout(draft: LlamaModel, target: LlamaModel) -> bool:
 
 
 class SharedKVDraftProposer:
+    catch_up_cost = 0.0  # never behind: the target's cache already holds the context
+
     def __init__(self, model: LlamaModel, target_runner: ModelRunner, name: str):
         self.name = name
         self.model = model
@@ -40,22 +43,22 @@ class SharedKVDraftProposer:
                                   kv_cache=target_runner.kv_cache)
         self.generators: dict[str, torch.Generator] = {}
 
-    def _view(self, seq: Sequence) -> Sequence:
-        """The target sequence as the draft feeds it: same blocks (only read here) and computed prefix."""
-        view = Sequence(seq.request_id, seq.token_ids, GREEDY)
-        view.block_table = seq.block_table
-        view.num_computed_tokens = seq.num_computed_tokens
+    def _drafting(self, index: int, seq: Sequence, k: int) -> Drafting:
+        """The target sequence as the draft feeds it: its blocks (only read and written in the reserved slots,
+        never grown or freed here) and computed prefix."""
         if not seq.params.greedy and seq.request_id not in self.generators:
             self.generators[seq.request_id] = draft_generator(seq)
-        return view
+        done = seq.num_computed_tokens
+        view = KVHandle(block_table=seq.block_table, num_computed_tokens=done, token_ids=seq.token_ids[:done])
+        return Drafting(index, seq, view, k, seq.token_ids[done:])
 
     @torch.inference_mode()
     def propose(self, batch: list[tuple[Sequence, int]]) -> list[Proposal]:
         """k autoregressive draft steps, batched over the sequences; the engine has reserved blocks for
         len(seq) + k positions, and the draft writes at most len(seq) + k - 1 of them."""
         out = [Proposal([]) for _ in batch]
-        active = [(i, seq, self._view(seq), k) for i, (seq, k) in enumerate(batch) if k > 0]
-        draft_steps(self.runner, active, out, self.generators)
+        draft_steps(self.runner, [self._drafting(i, seq, k) for i, (seq, k) in enumerate(batch) if k > 0], out,
+                    self.generators)
         return out
 
     def release(self, seq: Sequence) -> None:
