@@ -80,12 +80,7 @@ def plot_bench(data: dict[str, Any]) -> dict[str, str | None]:
         for system, pts in series.items():
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, marker="o", label=system)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(label)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _concurrency_axes(ax, label, title)
         plots[key.removesuffix("_ms").replace("median_", "")] = _png(fig)
     if ratios := _bench_ratios_over_rounds(tiers):
         plots["ratios"] = ratios
@@ -109,13 +104,18 @@ def _bench_ratios_over_rounds(tiers: list[dict[str, Any]]) -> str | None:
         err = [[v - ci[0] if ci else 0.0 for _, v, ci in pts], [ci[1] - v if ci else 0.0 for _, v, ci in pts]]
         ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=key)
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    _concurrency_axes(ax, "ratio of output tokens/s", "Ratios over rounds, 95% CI")
+    return _png(fig)
+
+
+def _concurrency_axes(ax: Any, ylabel: str, title: str) -> None:
+    """A bench plot's axes: concurrency on a log2 scale, one line per system."""
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency")
-    ax.set_ylabel("ratio of output tokens/s")
-    ax.set_title("Ratios over rounds, 95% CI")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _png(fig)
 
 
 def plot_file(path: str | Path, output: str | Path | None = None) -> list[Path]:

@@ -10,9 +10,9 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from qtoolkit.engine.config import EngineConfig
+from qtoolkit.server.metrics import samples
 
 TIMEOUT = httpx.Timeout(60.0)
 
@@ -55,8 +55,7 @@ def base_url(tiny_model_dir):
 
 
 def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics").text
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+    return {name: value for (name, labels), value in samples(httpx.get(f"{url}/metrics").text).items() if not labels}
 
 
 def wait_until_idle(url: str, timeout: float = 20.0) -> dict[str, float]:

@@ -9,6 +9,8 @@ import httpx
 import pytest
 from test_server import TIMEOUT, make_app, running
 
+from qtoolkit.server.metrics import samples
+
 KEY = {"Authorization": "Bearer s3cret"}
 
 
@@ -134,6 +136,6 @@ def test_server_answers_normally_after_the_abuse(keyed_url):
     r = httpx.post(f"{keyed_url}/v1/completions", json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True},
                    headers=KEY, timeout=TIMEOUT)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-    rejected = [line for line in httpx.get(f"{keyed_url}/metrics", headers=KEY).text.splitlines()
-                if line.startswith("qtool_requests_rejected_total")]
-    assert any('status="401"' in line for line in rejected) and any('status="413"' in line for line in rejected)
+    scraped = samples(httpx.get(f"{keyed_url}/metrics", headers=KEY).text)
+    assert scraped[("qtool_requests_rejected_total", (("status", "401"),))] > 0
+    assert scraped[("qtool_requests_rejected_total", (("status", "413"),))] > 0

@@ -100,7 +100,7 @@ def test_per_request_counters_and_policy_turns_speculation_off_for_big_batches(s
     engine = make(sharp_dir, speculative=f"draft:{sharp_dir}", num_speculative_tokens=4, adaptive=True)
     outs = engine.generate(PROMPTS[:1], greedy_params(1), use_tqdm=False)
     usage = outs[0].speculative_usage()
-    assert usage["draft_tokens"] > 0 and usage["acceptance_rate"] == 1.0
+    assert usage.draft_tokens > 0 and usage.acceptance_rate == 1.0
     before = engine.stats().speculative.draft_tokens
     # 8 sequences decoding at once fill the verification budget: no proposals, plain decoding
     big = run(engine, PROMPTS, [SamplingParams(max_tokens=6, ignore_eos=True)] * len(PROMPTS))

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 from test_server import TIMEOUT, running, sse_events
 
 from qtoolkit.cli import main
 from qtoolkit.engine import Engine
 from qtoolkit.server import create_app
+from qtoolkit.server.metrics import samples
 
 
 def test_usage_block_and_metrics_report_speculation(tiny_model_dir):
@@ -30,11 +30,10 @@ def test_usage_block_and_metrics_report_speculation(tiny_model_dir):
                           json={**body, "stream": True, "stream_options": {"include_usage": True}}) as resp:
             events = sse_events(resp)
         assert events[-2]["usage"]["speculative"]["accepted_tokens"] > 0
-        samples = {(s.name, tuple(s.labels.items())): s.value
-                   for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text) for s in fam.samples}
-        assert samples[("qtool_spec_acceptance_rate", ())] == 1.0
-        assert samples[("qtool_spec_acceptance_by_position", (("position", "1"),))] == 1.0
-        assert samples[("qtool_spec_draft_tokens_total", ())] >= 2 * spec["draft_tokens"]
+        scraped = samples(httpx.get(f"{url}/metrics").text)
+        assert scraped[("qtool_spec_acceptance_rate", ())] == 1.0
+        assert scraped[("qtool_spec_acceptance_by_position", (("position", "1"),))] == 1.0
+        assert scraped[("qtool_spec_draft_tokens_total", ())] >= 2 * spec["draft_tokens"]
 
 
 def test_generate_cli_speculates_and_rejects_bad_flags(tiny_model_dir, capsys):

@@ -168,24 +168,30 @@ def _speculative(spec: SpeculativeStats) -> Iterator[Metric]:
         yield family
 
 
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of one /metrics scrape by (sample name, sorted labels): the one reader of Prometheus text
+    (prometheus_client's parser) that benchmarks and tests go through."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def parse_speculative(text: str) -> SpeculativeStats | None:
     """The engine's speculative counters from one /metrics scrape of a qtool server; None when it does not
     speculate (or is not ours). The one reader of this exporter's text (spec_ceiling.py differences two)."""
     values: dict[str, Any] = {}
     positions: dict[tuple[int, str], float] = {}
-    scalars = {name: attr for attr, name, _, _ in _SPEC_SCALARS}
-    labelled = {name: (label, fields) for name, label, fields in (_SPEC_SECONDS, _SPEC_STEPS)}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.endswith("_created"):
-                continue
-            if family.name in scalars:
-                values[scalars[family.name]] = sample.value
-            elif family.name in labelled:
-                label, fields = labelled[family.name]
-                values[fields[sample.labels[label]]] = sample.value
-            elif family.name == _SPEC_POSITIONS:
-                positions[int(sample.labels["position"]), sample.labels["outcome"]] = sample.value
+    # a counter's value is exposed as the sample NAME_total, a gauge's as NAME
+    scalars = {name + "_total" * (kind == "counter"): attr for attr, name, kind, _ in _SPEC_SCALARS}
+    labelled = {name + "_total": (label, fields) for name, label, fields in (_SPEC_SECONDS, _SPEC_STEPS)}
+    for (name, labels), value in samples(text).items():
+        tags = dict(labels)
+        if name in scalars:
+            values[scalars[name]] = value
+        elif name in labelled:
+            label, fields = labelled[name]
+            values[fields[tags[label]]] = value
+        elif name == _SPEC_POSITIONS + "_total":
+            positions[int(tags["position"]), tags["outcome"]] = value
     # the labelled samples appear once the engine has reported speculation; a plain server shows none
     if "verify_seconds" not in values:
         return None
