@@ -16,10 +16,10 @@ from typing import Any
 
 from qtoolkit.evals.stats import ratio_over_rounds
 
-from .bench import requests_sha256, run_load, served_models, summarize, warm_up
 from .bench_loop import fresh_requests, measure_tier, repeat_rounds, requests_per_tier
 from .bench_systems import System
 from .engine.config import EngineConfig
+from .load_client import requests_sha256, run_load, served_models, summarize, warm_up
 from .progress import status
 from .provenance import provenance
 from .server.process import server_process

@@ -12,7 +12,7 @@ from qtoolkit.evals.stats import ratio_over_rounds
 from .progress import status
 from .workloads import BenchRequest, build_workload
 
-# (label, requests, concurrency, seed) -> a tier summary (bench.summarize's dict)
+# (label, requests, concurrency, seed) -> a tier summary (load_client.summarize's dict)
 Measure = Callable[[str, list[BenchRequest], int, int], dict[str, Any]]
 
 

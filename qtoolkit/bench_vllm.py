@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from .bench import RequestResult
+    from .load_client import RequestResult
 
 PERCENTILES = (99,)
 

@@ -14,9 +14,9 @@ from typing import Any
 
 from qtoolkit.evals.stats import ratio_over_rounds
 
-from .bench import requests_sha256, run_load, summarize, warm_up
 from .bench_loop import fresh_requests, measure_tier, repeat_rounds, requests_per_tier
 from .deployment import Deployment, EndpointInfo
+from .load_client import requests_sha256, run_load, summarize, warm_up
 from .provenance import provenance
 from .workloads import build_workload
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from .bench import run_load
 from .errors import QToolError
 from .evals.workload_file import file_sha256, sample_items
+from .load_client import run_load
 from .progress import status
 from .workloads import WORKLOADS, BenchRequest
 

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from test_server import make_app, running
 
-from qtoolkit.bench import RequestResult, bench_serve, format_table, run_load, summarize
+from qtoolkit.bench import bench_serve, format_table
 from qtoolkit.errors import DataError
+from qtoolkit.load_client import RequestResult, run_load, summarize
 from qtoolkit.workloads import arrival_offsets, build_workload
 
 

@@ -10,8 +10,8 @@ from html.parser import HTMLParser
 import pytest
 from PIL import Image
 
-from qtoolkit.bench import RequestResult, summarize
 from qtoolkit.cli import main
+from qtoolkit.load_client import RequestResult, summarize
 from qtoolkit.report import html_report, markdown
 
 DETAIL = "kld 0.5 | limit 0.1 < judged & <b>not bold</b>"
