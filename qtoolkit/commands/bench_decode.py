@@ -8,8 +8,6 @@ from pathlib import Path
 from ..errors import QToolError
 from ..io import write_json
 from ..progress import bar, status
-from ..provenance import provenance
-from ..sources import default_gguf_path, resolve_model
 
 HELP = ("batch-1 greedy decode tok/s of one or more checkpoints in the engine against llama.cpp (the default "
         "model's GGUF) and HF generate, interleaved rounds, ratios in the JSON")
@@ -38,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..decode_bench import engine_decoder, format_table, hf_decoder, llama_cpp_decoder, run_decode_bench
+    from ..provenance import provenance
+    from ..sources import default_gguf_path, resolve_model
 
     peers = [c.strip() for c in args.compare.split(",") if c.strip()]
     bad = [c for c in peers if c not in ("llama.cpp", "hf")]
