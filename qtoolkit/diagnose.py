@@ -31,9 +31,8 @@ from .workloads import build_workload
 
 
 def _leaf_linear_bytes(mod: torch.nn.Module) -> int | None:
-    """Bytes one Linear streams per step: packed weights of a quantized module, else its dense weight."""
-    if isinstance(mod, torch.nn.Linear):
-        return mod.weight.nbytes + (mod.bias.nbytes if mod.bias is not None else 0)
+    """Bytes one of the engine's Linears (model/quant_linear.py) streams per step: packed weights of a quantized
+    module, else its dense weight; None for every other module and for containers of Linears."""
     if hasattr(mod, "weight_bytes") and not any(hasattr(c, "weight_bytes") for c in mod.children()):
         return mod.weight_bytes()
     return None
