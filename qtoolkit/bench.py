@@ -72,8 +72,6 @@ def hf_generate_tier(model: Any, tokenizer: Any, requests: list[BenchRequest], b
             "output_tok_per_s": output_tokens / duration, "requests_per_s": len(requests) / duration}
 
 
-
-
 def load_hf(model_path: Any, dtype: str) -> tuple[Any, Any]:
     import torch  # optional: only `--compare hf` loads transformers here
     from transformers import AutoModelForCausalLM, AutoTokenizer

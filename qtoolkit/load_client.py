@@ -5,7 +5,6 @@ as a user sees it (TTFT, ITL, TPOT) and summarizes a tier. Token counts come fro
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import time
 from dataclasses import dataclass, field
@@ -19,36 +18,6 @@ from .deployment import RETRY_STATUS, backoff_s
 from .engine.params import SpeculativeUsage
 from .provenance import text_sha256
 from .workloads import BenchRequest, arrival_offsets, build_workload
-
-
-# ---- HF transformers baseline: the same requests in static batches --------------------------------------------
-def hf_generate_tier(model: Any, tokenizer: Any, requests: list[BenchRequest], batch_size: int) -> dict[str, Any]:
-    """Run `requests` through HF `generate` in static batches of `batch_size`, EOS ignored like the server.
-
-    A batch runs until its longest request is done; only the tokens each request asked for count as output.
-    """
-    import torch  # optional: only `--compare hf` runs transformers here
-
-    # No EOS at all rather than min_new_tokens: its logits processor costs more than a small model's step.
-    config = copy.deepcopy(model.generation_config)
-    config.update(eos_token_id=None, pad_token_id=tokenizer.pad_token_id, do_sample=False)
-    generated = 0
-    start = time.perf_counter()
-    for i in range(0, len(requests), batch_size):
-        batch = requests[i:i + batch_size]
-        prompts = [r.prompt if r.messages is None else tokenizer.apply_chat_template(
-            list(r.messages), tokenize=False, add_generation_prompt=True) for r in batch]
-        enc = tokenizer(prompts, return_tensors="pt", padding=True)
-        config.max_new_tokens = max(r.max_tokens for r in batch)
-        with torch.inference_mode():
-            out = model.generate(**enc, generation_config=config)
-        generated += (out.shape[1] - enc["input_ids"].shape[1]) * len(batch)
-    duration = time.perf_counter() - start
-    output_tokens = sum(r.max_tokens for r in requests)
-    return {"num_requests": len(requests), "completed": len(requests), "failed": 0, "duration_s": duration,
-            "batch_size": batch_size, "output_tokens": output_tokens, "generated_tokens": generated,
-            "output_tok_per_s": output_tokens / duration, "requests_per_s": len(requests) / duration}
-
 
 _REQUEST_TIMEOUT_S = 600.0
 STREAM_TRIES = 4  # a request refused with 429/503 is sent again up to this many times in all
