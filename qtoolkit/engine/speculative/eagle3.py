@@ -11,8 +11,9 @@ i+2; later chain steps feed the head's own output hidden back with the drafted t
 - the chain's rows were computed from the head's own hidden, not the target's, so they are always dropped after
   the proposal (DraftKV.truncate), together with the last target row, which the next proposal feeds again: a
   proposal always starts from target features, whatever was accepted.
-Catching up costs one q/k/v projection per row (only the last row runs attention, the MLP and the head's LM head),
-about 2% of a target token on SmolLM2-135M, so a long prompt never turns the head off (`catch_up_cost`).
+Catching up costs fc and one q/k/v projection per row (only the last row runs attention, the MLP and the head's LM
+head): 1.6% of a target token's multiply-adds on SmolLM2-135M, so a long prompt does not turn the head off
+(`catch_up_cost` weighs the engine's catch-up rule).
 
 Drafts are drawn over the head's reduced vocabulary; for a sampled request q is that softmax scattered onto the
 target's ids (zero elsewhere), so rejection sampling stays exact; greedy requests draft by argmax (point masses).
