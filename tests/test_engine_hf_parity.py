@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from qtoolkit.evals.data import aclsum_items, humaneval_problems
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from qtoolkit.engine import Engine, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -14,9 +18,6 @@ NUM_DISTINCT = 16  # 8 code + 8 summarization prompts; each runs twice in the ba
 
 @pytest.fixture(scope="module")
 def prompts(default_source):
-    from qtoolkit.evals.data import aclsum_items, humaneval_problems
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(default_source.path)
     code = [p["prompt"] for p in humaneval_problems()[:NUM_DISTINCT // 2]]
     summ = [tok.apply_chat_template([{"role": "user", "content": "Summarize the outcome of this abstract in one "
@@ -28,8 +29,6 @@ def prompts(default_source):
 @pytest.fixture(scope="module")
 def hf_reference(default_source, prompts):
     """transformers greedy continuation of each prompt, unbatched (padding would change its numerics)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(default_source.path)
     model = AutoModelForCausalLM.from_pretrained(default_source.path, dtype=torch.float32).eval()
     refs = []
@@ -49,8 +48,6 @@ def check(outs, refs, lengths):
 
 
 def test_batch1_matches_transformers(default_source, prompts, hf_reference):
-    from qtoolkit.engine import Engine, SamplingParams
-
     engine = Engine(default_source, dtype="float32", kv_cache_memory="256MiB")
     for i in (0, 1, NUM_DISTINCT // 2, NUM_DISTINCT // 2 + 1):
         out = engine.generate([prompts[i]], SamplingParams(max_tokens=40), use_tqdm=False)
@@ -59,8 +56,6 @@ def test_batch1_matches_transformers(default_source, prompts, hf_reference):
 
 @pytest.mark.parametrize("kv_cache_memory", ["512MiB", "24MiB"], ids=["no-preemption", "preemption"])
 def test_batch_of_32_mixed_matches_transformers(default_source, prompts, hf_reference, kv_cache_memory):
-    from qtoolkit.engine import Engine, SamplingParams
-
     engine = Engine(default_source, dtype="float32", kv_cache_memory=kv_cache_memory, max_num_seqs=32,
                     max_num_batched_tokens=512)
     lengths = [40 if i % 2 == 0 else 17 + i // 2 for i in range(2 * NUM_DISTINCT)]  # <= 40 (the reference)

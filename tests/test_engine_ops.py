@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import qtoolkit.kernels.dispatch as dispatch_mod
 import torch
 from qtoolkit.kernels import dispatch
 from qtoolkit.kernels.cpu_build import engine_ops
+from qtoolkit.kernels.reference import quantize_activations
+
+import qtoolkit.engine.model_runner as runner_mod
+import qtoolkit.model.llama as llama_mod
+from qtoolkit.engine import Engine, SamplingParams
+from qtoolkit.model.llama import apply_rope
 
 ops = engine_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="CPU engine ops unavailable (no AVX2 or no compiler)")
@@ -70,8 +77,6 @@ def test_paged_attention_rejects_rows_past_the_block_table():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_and_cache_matches_torch(dtype):
-    from qtoolkit.model.llama import apply_rope
-
     g = torch.Generator().manual_seed(2)
     T, H, Hk, D, nb, bs = 5, 6, 2, 16, 8, 4
     qkv = torch.randn(T, (H + 2 * Hk) * D, generator=g).to(dtype)
@@ -104,8 +109,6 @@ def test_silu_mul_matches_torch(dtype, tol):
 @pytest.mark.parametrize("kind", ["float", "int"])
 @pytest.mark.parametrize("width", [96, 101])  # the vector body alone, and with a scalar tail
 def test_fake_quant_tokens_is_bit_identical_to_the_reference(kind, width):
-    from qtoolkit.kernels.reference import quantize_activations
-
     g = torch.Generator().manual_seed(4)
     x = torch.randn(7, width, generator=g) * torch.logspace(-3, 3, 7).unsqueeze(1)  # tiny to large rows
     x[2] = 0.0  # the eps floor of the scale
@@ -142,19 +145,12 @@ def test_dense_linear_paths_match_matmul(wdtype, m, k):
 
 def test_model_logits_same_with_and_without_ops(tiny_model_dir, monkeypatch):
     """The engine's step with the AVX2 ops equals its pure-torch path (padded SDPA, torch RMSNorm and matmuls)."""
-    from qtoolkit.engine import Engine, SamplingParams
-
     prompts = ["def add(a, b):", "The results show that the proposed method", "x"]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     fast = Engine(str(tiny_model_dir), kv_cache_memory="4MiB", block_size=4)
     assert fast.runner.paged_attention
     fast_scores = fast.score([fast.tokenizer.encode(p) for p in prompts])
     fast_out = [o.token_ids for o in fast.generate(prompts, params)]
-
-    import qtoolkit.kernels.dispatch as dispatch_mod
-
-    import qtoolkit.engine.model_runner as runner_mod
-    import qtoolkit.model.llama as llama_mod
 
     for mod in (runner_mod, llama_mod):
         monkeypatch.setattr(mod, "engine_ops", lambda: None)

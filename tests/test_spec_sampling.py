@@ -85,7 +85,7 @@ def eagle3_drafter(params: SamplingParams):
     proposer = Eagle3Proposer(head.eval(), target, "eagle3:toy")
     seq = Sequence("e", CONTEXT, SamplingParams(temperature=params.temperature, top_k=params.top_k, seed=99))
     ran = ModelRunner(target, num_blocks=2, block_size=4).step([Chunk(CONTEXT[:-1], 0, [0, 1])], proposer.aux_layers)
-    proposer.observe(seq.request_id, 0, ran.aux[0])
+    proposer.observe([(seq.request_id, 0, ran.aux[0])])
 
     def draw(gen: torch.Generator) -> tuple[int, int, torch.Tensor | None]:
         proposal = proposer.propose([(seq, 2)])[0]

@@ -11,8 +11,9 @@ i+2; later chain steps feed the head's own output hidden back with the drafted t
 - the chain's rows were computed from the head's own hidden, not the target's, so they are always dropped after
   the proposal (DraftKV.truncate), together with the last target row, which the next proposal feeds again: a
   proposal always starts from target features, whatever was accepted.
-Catching up costs one q/k/v projection per row (only the last row runs attention, the MLP and the head's LM head),
-about 2% of a target token on SmolLM2-135M, so a long prompt never turns the head off (`catch_up_cost`).
+Catching up costs fc and one q/k/v projection per row (only the last row runs attention, the MLP and the head's LM
+head): 1.6% of a target token's multiply-adds on SmolLM2-135M, so a long prompt does not turn the head off
+(`catch_up_cost` weighs the engine's catch-up rule).
 
 Drafts are drawn over the head's reduced vocabulary; for a sampled request q is that softmax scattered onto the
 target's ids (zero elsewhere), so rejection sampling stays exact; greedy requests draft by argmax (point masses).
@@ -21,7 +22,7 @@ A request's head state survives preemption: the target recomputes the same featu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -40,11 +41,19 @@ class HeadState:
 
     kv: DraftKV
     origin: int  # the position of the head's first KV row (a prefix the target took from its cache has none)
-    pending: torch.Tensor  # [m, hidden]: features of positions origin + len(kv) .. known_end - 1
+    # fused features of positions origin + len(kv) .. known_end - 1, in chunks (one per step: no copying while a
+    # request decodes plainly for many steps)
+    pending: list[torch.Tensor] = field(default_factory=list)
+    num_pending: int = 0
 
     @property
     def known_end(self) -> int:
-        return self.origin + len(self.kv) + self.pending.shape[0]
+        return self.origin + len(self.kv) + self.num_pending
+
+    def take_pending(self) -> torch.Tensor:
+        rows = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
+        self.pending = [rows]
+        return rows
 
 
 def catch_up_cost(head: Eagle3Head, target: LlamaModel) -> float:
@@ -71,17 +80,23 @@ class Eagle3Proposer:
 
     # -- features from the target's forwards ----------------------------------------------------------------
     @torch.inference_mode()
-    def observe(self, request_id: str, start: int, aux: torch.Tensor) -> None:
-        """The target computed positions start .. start + len(aux) - 1 of the request: keep their fused features."""
-        st = self.states.get(request_id)
-        if st is None or start > st.known_end:  # new, or a hole (never seen before a cached prefix): start over
-            st = self.states[request_id] = HeadState(
-                DraftKV.empty(self.head.config, self.head.fc.weight.dtype), start,
-                aux.new_zeros(0, self.head.config.hidden_size, dtype=self.head.fc.weight.dtype))
-        skip = st.known_end - start  # a recompute after preemption: the same features again
-        if skip < aux.shape[0]:
-            fused = self.head.fuse(aux[skip:].to(self.head.fc.weight.dtype))
-            st.pending = torch.cat([st.pending, fused])
+    def observe(self, computed: list[tuple[str, int, torch.Tensor]]) -> None:
+        """Per request (id, start, aux): the target computed positions start .. start + len(aux) - 1 with these
+        aux hidden states. Their features are fused in one matmul for the whole step and kept pending."""
+        news = []
+        for request_id, start, aux in computed:
+            st = self.states.get(request_id)
+            if st is None or start > st.known_end:  # new, or a hole (never seen before a cached prefix): start over
+                st = self.states[request_id] = HeadState(DraftKV.empty(self.head.config, self.head.fc.weight.dtype),
+                                                         start)
+            skip = st.known_end - start  # a recompute after preemption brings the same features again
+            if skip < aux.shape[0]:
+                news.append((st, aux[skip:]))
+        if news:
+            fused = self.head.fuse(torch.cat([rows for _, rows in news]).to(self.head.fc.weight.dtype))
+            for (st, _), rows in zip(news, fused.split([len(r) for _, r in news]), strict=True):
+                st.pending.append(rows)
+                st.num_pending += len(rows)
 
     # -- drafting -------------------------------------------------------------------------------------------
     def _draw(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
@@ -97,27 +112,28 @@ class Eagle3Proposer:
     def _first(self, st: HeadState, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the pending target rows (position p paired with token p+1): the head's KV grows by all of them;
         only the last row needs its output (hidden and logits)."""
-        n = st.pending.shape[0]
+        rows = st.take_pending()
+        n = rows.shape[0]
         first = st.known_end - n
         positions = torch.arange(first, first + n)
         embeds = self._embed(seq.token_ids[first + 1:first + n + 1])
-        q, k, v = self.head.qkv(embeds, st.pending, positions)
+        q, k, v = self.head.qkv(embeds, rows, positions)
         st.kv.append(k.to(st.kv.k.dtype), v.to(st.kv.v.dtype))
         last = attend(q[-1:], st.kv.k.to(q.dtype), st.kv.v.to(q.dtype),
                       torch.ones(1, len(st.kv), dtype=torch.bool))
-        return self.head.finish(last.reshape(1, -1), st.pending[-1:])
+        return self.head.finish(last.reshape(1, -1), rows[-1:])
 
     @torch.inference_mode()
     def _propose_one(self, seq: Sequence, k: int) -> Proposal:
         st = self.states.get(seq.request_id)
         # every committed position but the last has a target feature (the last token is verified this step)
-        if st is None or st.known_end != len(seq) - 1 or st.pending.shape[0] == 0:
+        if st is None or st.known_end != len(seq) - 1 or st.num_pending == 0:
             return Proposal([])
         if not seq.params.greedy and seq.request_id not in self.generators:
             self.generators[seq.request_id] = draft_generator(seq)
-        keep = len(st.kv) + st.pending.shape[0] - 1  # after the proposal: all target rows but the last
-        last_feature = st.pending[-1:]
+        keep = len(st.kv) + st.num_pending - 1  # after the proposal: all target rows but the last
         hidden, logits = self._first(st, seq)
+        last_feature = st.pending[0][-1:].clone()  # not a view that would keep every caught-up row alive
         tokens, probs = [], []
         position = len(seq) - 1
         for step in range(k):
@@ -128,7 +144,7 @@ class Eagle3Proposer:
                 hidden, logits = self.head.step(self._embed([token]), hidden[-1:], torch.tensor([position]), st.kv)
                 position += 1
         st.kv.truncate(keep)
-        st.pending = last_feature
+        st.pending, st.num_pending = [last_feature], 1
         return Proposal(tokens, None if probs[0] is None else torch.stack(probs))
 
     def propose(self, batch: list[tuple[Sequence, int]]) -> list[Proposal]:

@@ -8,10 +8,12 @@ schemes) and the kernels' Linear modules, so the draft runs the same quantized m
 from __future__ import annotations
 
 import torch
+from qtoolkit.kernels.reference import quantize_weight
 from torch import nn
 
 from ...model.llama import LlamaModel, RMSNorm
 from ...model.moe import SparseMoE
+from ...model.quant_linear import DenseLinear, make_linear
 from .base import SpeculativeConfigError
 
 # Group 32 with zero points lines up with the default model's Q4_1 blocks (scale + min per 32 weights): measured
@@ -42,10 +44,6 @@ def _dense_weight(module: nn.Module, name: str) -> torch.Tensor:
 
 def quantize_copy(target: LlamaModel, kind: str) -> LlamaModel:
     """A LlamaModel sharing the target's embeddings and norms, its Linears (lm_head included) quantized."""
-    from qtoolkit.kernels.reference import quantize_weight
-
-    from qtoolkit.model.quant_linear import DenseLinear, make_linear
-
     if kind not in SCHEMES:
         raise SpeculativeConfigError(f"self-draft format {kind!r} is unknown: use self-int4 or self-fp8")
     scheme = SCHEMES[kind]

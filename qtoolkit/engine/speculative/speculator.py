@@ -126,8 +126,8 @@ class Speculator:
         """After verification, before the commit: the step's time for the policy's cost model, and the target
         features of every position the step keeps for a head that reads them."""
         if self.features is not None and aux is not None:
-            for item, tokens, rows in zip(work, chosen, aux, strict=True):
-                self.features.observe(item.seq.request_id, item.start, rows[:item.kept(tokens)])
+            self.features.observe([(item.seq.request_id, item.start, rows[:item.kept(tokens)])
+                                   for item, tokens, rows in zip(work, chosen, aux, strict=True)])
         drafted = [len(item.drafts) for item in work if item.drafts]
         if drafted:
             self.metrics.verify_seconds += seconds
