@@ -16,6 +16,7 @@ from . import custom_signoff
 from . import gates as verdicts
 from .ablation import BASE_SYSTEMS, ablation_table, bench_ablation
 from .diagnose import diagnose
+from .draft.format import check_fits, read_head_config
 from .engine.config import EngineConfig
 from .errors import QToolError
 from .evals.custom import custom_tasks
@@ -23,6 +24,7 @@ from .evals.runner import EvalConfig, evaluate
 from .evals.sandbox import require
 from .io import write_json
 from .judge import Gate, evaluate_gates
+from .model.llama import ModelConfig
 from .policy import Policy, load_policy
 from .provenance import provenance
 from .quantize import quantize
@@ -55,6 +57,15 @@ def _check(cfg: SignoffConfig) -> Policy:
     return policy
 
 
+def _check_speculative(speculative: str | None, source: ModelSource) -> None:
+    """A bad --speculative (or an EAGLE-3 head that does not fit the model) fails here, before any work, not at
+    the bench step after quantization and evals."""
+    spec = EngineConfig(speculative=speculative).speculative
+    if spec is not None and spec.startswith("eagle3:"):
+        folder = Path(spec.partition(":")[2])
+        check_fits(folder, read_head_config(folder), ModelConfig.from_hf(source.config))
+
+
 def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     """Run every step (or reuse it), decide, and write report.{json,md,html} into cfg.output."""
     if cfg.candidate_endpoint or cfg.baseline_endpoint:
@@ -65,6 +76,7 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
         return _rejudge(cfg, policy, out)
     recipe = load_recipe(cfg.recipe)
     source = resolve_model(cfg.model)
+    _check_speculative(cfg.speculative, source)
     out.mkdir(parents=True, exist_ok=True)
     run = _Run(cfg, policy, recipe, source, out, StepRunner(out))
     try:

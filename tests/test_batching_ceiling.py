@@ -11,6 +11,7 @@ from qtoolkit.batching_ceiling import (
     step_time_curve,
 )
 from qtoolkit.diagnose import classify, continuous_batching_ceiling
+from qtoolkit.diagnose_result import DecodeRow, KVCapacity, ModelBytes, Roofline
 
 
 def test_schedules_by_hand():
@@ -35,15 +36,20 @@ def test_step_time_curve_interpolates_and_extrapolates():
 
 
 def test_diagnose_ceiling_tracks_the_cost_curve():
-    gpu_like = [{"batch": b, "ms_per_step": 20.0 + 0.05 * b} for b in (1, 8, 32)]
-    cpu_like = [{"batch": b, "ms_per_step": 1.0 * b} for b in (1, 8, 32)]
-    gpu = continuous_batching_ceiling(gpu_like)["by_concurrency"]
+    def rows(ms):
+        return [DecodeRow(batch=b, decode_seconds=0.0, tokens_per_s=b / ms(b) * 1000, ms_per_step=ms(b))
+                for b in (1, 8, 32)]
+
+    gpu = continuous_batching_ceiling(rows(lambda b: 20.0 + 0.05 * b))["by_concurrency"]
+    cpu_like = rows(lambda b: 1.0 * b)
     cpu = continuous_batching_ceiling(cpu_like)["by_concurrency"]
     assert [r["concurrency"] for r in gpu] == [8, 32]
     assert all(r["continuous_over_static"] > 1.3 for r in gpu)
     assert all(r["continuous_over_static"] == pytest.approx(1.0) for r in cpu)
-    fake = {"decode": [{"batch": 1, "tokens_per_s": 10.0}, {"batch": 32, "tokens_per_s": 60.0}],
-            "roofline": {"batch1": {"decode_memory_bound_tok_s": 50, "compute_bound_tok_s": 100}},
-            "kv": {"max_concurrent_at_context": 64, "context": 1024}, "model": {"decode_bytes_per_step": 5e8},
-            "batching_ceiling": continuous_batching_ceiling(cpu_like)}
-    assert "bound continuous / static at 1.00x at concurrency 32" in classify(fake)[1][0]
+    decode = [DecodeRow(batch=1, decode_seconds=0.0, tokens_per_s=10.0, ms_per_step=100.0),
+              DecodeRow(batch=32, decode_seconds=0.0, tokens_per_s=60.0, ms_per_step=533.0)]
+    roof = {1: Roofline(decode_memory_bound_tok_s=50, compute_bound_tok_s=100, decode_attainable_tok_s=50)}
+    kv = KVCapacity(bytes_per_token=0, blocks=0, block_size=16, context=1024, max_concurrent_at_context=64)
+    sizes = ModelBytes(linear_bytes=0, lm_head_bytes=0, decode_bytes_per_step=int(5e8), matmul_weights=0)
+    levers = classify(decode, roof, kv, sizes, continuous_batching_ceiling(cpu_like))[1]
+    assert "bound continuous / static at 1.00x at concurrency 32" in levers[0]

@@ -120,6 +120,19 @@ def test_a_head_that_does_not_fit_fails_with_one_line_through_the_cli(tiny_model
     assert "eagle3:DIR" in capsys.readouterr().err
 
 
+def test_signoff_refuses_a_head_that_does_not_fit_before_any_work(tiny_model_dir, tmp_path, capsys):
+    """The sign-off reaches its bench step only after quantizing and evaluating: a head that cannot serve the
+    model fails at start-up instead, and nothing is written."""
+    narrow = ModelConfig.from_hf({**json.loads((tiny_model_dir / "config.json").read_text()), "hidden_size": 32})
+    folder = save_random_head(tmp_path / "narrow", narrow, list(range(40)))
+    out = tmp_path / "signoff"
+    code = main(["signoff", "--model", str(tiny_model_dir), "--recipe", "int4-rtn", "--speculative",
+                 f"eagle3:{folder}", "--output", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "hidden size 32" in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
 def reference_chain(head: Eagle3Head, target, tokens: list[int], aux: torch.Tensor, k: int):
     """k greedy drafts and the first row's logits by the head's documented convention, in one causal pass over
     every committed position (feature of position i with the embedding of token i+1), then single-row steps."""

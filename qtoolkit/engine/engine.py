@@ -329,10 +329,5 @@ class Engine:
         if self.speculator is None:
             return None
         m, policy = self.speculator.metrics, self.speculator.policy
-        return SpeculativeStats(
-            proposer=m.proposer, num_speculative_tokens=m.num_speculative_tokens,
-            max_verify_tokens=m.max_verify_tokens, verify_steps=m.verify_steps, draft_tokens=m.draft_tokens,
-            accepted_tokens=m.accepted_tokens, proposed_at=list(m.proposed_at), accepted_at=list(m.accepted_at),
-            steps_with_speculation=m.steps_with_speculation, steps_without_speculation=m.steps_without_speculation,
-            proposer_seconds=m.proposer_seconds, verify_seconds=m.verify_seconds,
-            draft_cost_ratio=policy.draft_cost, verify_cost_per_token=policy.verify_cost)
+        return SpeculativeStats.snapshot(m, draft_cost_ratio=policy.draft_cost,
+                                         verify_cost_per_token=policy.verify_cost)

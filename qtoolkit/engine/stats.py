@@ -3,29 +3,24 @@ read fields, not keys."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 from .params import SpeculativeUsage
+from .speculative.metrics import SpeculativeMetrics
 
 
-@dataclass(frozen=True)
-class SpeculativeStats:
-    """Engine-wide speculative decoding counters since start, and the load-aware policy's cost estimates."""
+@dataclass
+class SpeculativeStats(SpeculativeMetrics):
+    """A snapshot of the Speculator's counters since start, with the load-aware policy's cost estimates."""
 
-    proposer: str = ""
-    num_speculative_tokens: int = 0
-    max_verify_tokens: int = 0
-    verify_steps: int = 0  # sequence-verifications that carried at least one proposal
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    proposed_at: list[int] = field(default_factory=list)  # per draft position: how often a token was proposed
-    accepted_at: list[int] = field(default_factory=list)  # ... and accepted
-    steps_with_speculation: int = 0
-    steps_without_speculation: int = 0  # decode steps where the policy or the proposer gave nothing
-    proposer_seconds: float = 0.0
-    verify_seconds: float = 0.0  # target forward + acceptance of steps that carried proposals
     draft_cost_ratio: float = 0.0  # policy estimate: one draft step / one verification forward
     verify_cost_per_token: float = 0.0  # policy estimate: a step's extra time per verified draft token
+
+    @classmethod
+    def snapshot(cls, metrics: SpeculativeMetrics, *, draft_cost_ratio: float,
+                 verify_cost_per_token: float) -> SpeculativeStats:
+        copied = {f.name: list(v) if isinstance(v := getattr(metrics, f.name), list) else v for f in fields(metrics)}
+        return cls(**copied, draft_cost_ratio=draft_cost_ratio, verify_cost_per_token=verify_cost_per_token)
 
     @property
     def usage(self) -> SpeculativeUsage:

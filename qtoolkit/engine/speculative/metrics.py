@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SpeculativeMetrics:
-    proposer: str
-    num_speculative_tokens: int
-    max_verify_tokens: int
+    proposer: str = ""
+    num_speculative_tokens: int = 0
+    max_verify_tokens: int = 0
     verify_steps: int = 0  # sequence-verifications that carried at least one proposal
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -32,18 +32,3 @@ class SpeculativeMetrics:
         for i in range(proposed):
             self.proposed_at[i] += 1
             self.accepted_at[i] += i < accepted
-
-    def as_dict(self) -> dict:
-        return {
-            "proposer": self.proposer, "num_speculative_tokens": self.num_speculative_tokens,
-            "max_verify_tokens": self.max_verify_tokens, "verify_steps": self.verify_steps,
-            "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
-            "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
-            "mean_accepted_length": self.emitted_tokens / self.verify_steps if self.verify_steps else 0.0,
-            "acceptance_by_position": [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at,
-                                                                           strict=True)],
-            "proposed_at": list(self.proposed_at), "accepted_at": list(self.accepted_at),
-            "steps_with_speculation": self.steps_with_speculation,
-            "steps_without_speculation": self.steps_without_speculation,
-            "proposer_seconds": self.proposer_seconds, "verify_seconds": self.verify_seconds,
-        }

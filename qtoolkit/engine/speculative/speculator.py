@@ -144,7 +144,3 @@ class Speculator:
         self.proposer.release(seq)
         self.policy.forget(seq.request_id)
         self.usage.pop(seq.request_id, None)
-
-    def stats(self) -> dict:
-        return {**self.metrics.as_dict(), "draft_cost_ratio": self.policy.draft_cost,
-                "verify_cost_per_token": self.policy.verify_cost}
