@@ -76,9 +76,9 @@ def test_greedy_identity_alone_and_in_a_mixed_batch(sharp_dir, reference, heads)
         assert isinstance(engine.proposer, Eagle3Proposer)
         assert run(engine, PROMPTS[1:2], greedy_params()[1:2]) == reference[1:2], head
         assert run(engine) == reference, head  # PROMPTS[1] again: its prompt now comes from the prefix cache
-        spec = engine.stats()["speculative"]
-        assert spec["draft_tokens"] > 0 and (spec["accepted_tokens"] > 0) == accepts, (head, spec)
-        assert engine.stats()["kv_blocks_used"] == 0 and not engine.proposer.states  # every request released
+        spec = engine.stats().speculative
+        assert spec.draft_tokens > 0 and (spec.accepted_tokens > 0) == accepts, (head, spec)
+        assert engine.stats().kv_blocks_used == 0 and not engine.proposer.states  # every request released
 
 
 def test_greedy_identity_with_preemption_and_chunked_prefill(sharp_dir, reference, heads):
@@ -87,8 +87,8 @@ def test_greedy_identity_with_preemption_and_chunked_prefill(sharp_dir, referenc
                       max_verify_tokens=64)
         assert run(engine) == reference, head
         stats = engine.stats()
-        assert stats["num_preemptions"] > 0 and stats["speculative"]["draft_tokens"] > 0, head
-        assert stats["kv_blocks_used"] == 0 and not engine.proposer.states
+        assert stats.num_preemptions > 0 and stats.speculative.draft_tokens > 0, head
+        assert stats.kv_blocks_used == 0 and not engine.proposer.states
 
 
 def test_sampled_requests_are_seeded_and_complete(sharp_dir, heads):
@@ -98,7 +98,7 @@ def test_sampled_requests_are_seeded_and_complete(sharp_dir, heads):
     first = run(engine, PROMPTS[:4], params)
     assert run(engine, PROMPTS[:4], params) == first
     assert all(len(t) == 12 for t, _, _ in first)
-    assert engine.stats()["speculative"]["draft_tokens"] > 0
+    assert engine.stats().speculative.draft_tokens > 0
 
 
 def test_a_head_that_does_not_fit_fails_with_one_line_through_the_cli(tiny_model_dir, tmp_path, capsys):
@@ -159,7 +159,7 @@ def test_the_head_state_built_step_by_step_equals_one_causal_pass(sharp_dir, hea
     seq, proposer = engine._seqs["r"], engine.proposer
     while seq.num_output_tokens < 12:
         engine.step()
-    assert engine.stats()["speculative"]["verify_steps"] >= 3
+    assert engine.stats().speculative.verify_steps >= 3
     plain = make(sharp_dir)  # a second copy of the target, so the engine's cache stays untouched
     copy = Sequence("copy", seq.token_ids, seq.params)
     plain.block_manager.grow(copy, len(copy))
