@@ -107,7 +107,6 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0  # window start, in context+output coordinates
         self.read_offset = len(self.context)  # tokens before this are already in self.text
         self.text = ""
-        self.stopped_at: int | None = None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
