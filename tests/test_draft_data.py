@@ -56,6 +56,10 @@ def test_vocabulary_is_the_most_frequent_tokens_and_coverage_grows():
     counts = token_counts(samples, 20)
     assert top_tokens(counts, 2).tolist() == [5, 7]
     held = {CODE: [Sample(CODE, "h", [1, 5, 5, 7, 9, 3], prompt_len=1)]}
-    rows = coverage_table(counts, held, hidden=8, body_params=100, sizes=(1, 2, 3))
+    rows = coverage_table(counts, held, hidden=8, body_params=100, sizes=(1, 2, 3), target_params=10_000)
     assert [r.coverage[CODE] for r in rows] == pytest.approx([0.4, 0.6, 0.8, 1.0])
-    assert choose_size(rows, 0.75) == 3 and rows[0].lm_head_params == 8
+    assert rows[0].lm_head_params == 8
+    assert choose_size(rows) == 20  # cheap LM head: full coverage pays
+    pricey = coverage_table(counts, held, hidden=8, body_params=100, sizes=(1, 2, 3), target_params=300)
+    assert choose_size(pricey) < 20  # an LM head near the target's size: fewer tokens pay
+    assert [r.modeled_speedup for r in rows] == sorted(r.modeled_speedup for r in rows)

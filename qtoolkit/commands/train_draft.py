@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "model.safetensors) and its resumable training state; an existing run there is resumed")
     p.add_argument("--overwrite", action="store_true", help="start again in an existing --output")
     p.add_argument("--draft-vocab", type=_vocab, default=None, metavar="N|auto",
-                   help="draft vocabulary size; auto = the smallest measured size covering 99%% of the target's "
-                        "held-out greedy tokens (default)")
+                   help="draft vocabulary size; auto = the measured size (coverage of the target's held-out "
+                        "greedy tokens against LM-head cost) with the highest modeled speedup (default)")
     p.add_argument("--time-budget", type=float, default=50.0, metavar="MIN",
                    help="minutes for the whole run, corpus and features included; it then stops and saves")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when present")

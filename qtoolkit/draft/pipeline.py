@@ -34,7 +34,7 @@ class TrainDraftError(QToolError):
 class TrainDraftArgs:
     model: str
     output: Path
-    draft_vocab: int | None = None  # None: the smallest measured size reaching 99% coverage
+    draft_vocab: int | None = None  # None: the measured size with the highest modeled speedup (vocab.py)
     device: str = "auto"
     overwrite: bool = False
     corpus: CorpusSpec = field(default_factory=CorpusSpec)
@@ -120,7 +120,8 @@ def _run(a: TrainDraftArgs, source: Any, target: ModelConfig, device: torch.devi
     counts = token_counts(corpus.train, target.vocab_size)
     body = sum(p.numel() for n, p in Eagle3Head(Eagle3Config.from_target(target, 1, aux)).named_parameters()
                if not n.startswith("lm_head"))
-    table = coverage_table(counts, corpus.heldout, target.hidden_size, body)
+    target_params = sum(p.numel() for p in teacher.model.parameters())
+    table = coverage_table(counts, corpus.heldout, target.hidden_size, body, target_params=target_params)
     write_json(a.output / "vocab_coverage.json", {"rows": table_json(table), "chosen": None})
     if resume:
         head = load_head(a.output, target).to(device)
