@@ -22,15 +22,15 @@ import traceback
 from . import __version__
 from .errors import QToolError
 
-COMMANDS = ["quantize", "generate", "serve", "eval", "diagnose", "signoff", "plot"]
+COMMANDS = ["quantize", "generate", "serve", "eval", "diagnose", "signoff", "plot", "train-draft"]
 BENCH_KINDS = ["kernels", "serve", "decode"]
 
 
 def _load(name: str):
     try:
-        return importlib.import_module(f"qtoolkit.commands.{name}")
+        return importlib.import_module(f"qtoolkit.commands.{name.replace('-', '_')}")
     except ModuleNotFoundError as e:
-        if e.name == f"qtoolkit.commands.{name}":
+        if e.name == f"qtoolkit.commands.{name.replace('-', '_')}":
             return None  # command not built in this version
         raise
 
