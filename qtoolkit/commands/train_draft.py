@@ -38,9 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="minutes for the whole run, corpus and features included; it then stops and saves")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when present")
     p.add_argument("--ttt-steps", type=int, default=4, help="training-time-test unroll (draft positions trained)")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=3, help="passes over the training samples (the time budget may stop first)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--eval-every", type=int, default=100, help="steps between held-out acceptance checks")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per stdlib training window")
     p.add_argument("--stdlib-tokens", type=int, default=40_000, help="stdlib source tokens trained on")
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--summary-prompts", type=int, default=400, help="ACLSum train prompts the target continues")
     p.add_argument("--gen-tokens", type=int, default=96, help="tokens per self-written continuation")
     p.add_argument("--heldout-prompts", type=int, default=24, help="held-out prompts per workload")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the data draw, the sampled continuations and the batch order")
 
 
 def run(args: argparse.Namespace) -> int:

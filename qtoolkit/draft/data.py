@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from qtoolkit.evals.data import aclsum_items, humaneval_problems
-from qtoolkit.evals.summarization import QUESTIONS, chat_prompt
+from qtoolkit.evals.prompts import QUESTIONS, user_message
+from qtoolkit.evals.summarization import chat_prompt
 
 from ..errors import DataError
-from ..workloads import SUMMARY_INSTRUCTION
 
 CODE, SUMMARIZATION = "code", "summarization"
 KINDS = (CODE, SUMMARIZATION)
@@ -115,13 +115,14 @@ def function_stubs(files: list[Path], n: int, seed: int = 0, max_chars: int = 15
 
 
 def summary_prompts(split: str, tokenizer: Any) -> list[str]:
-    """The prompts the evals and the bench send: the chat question per aspect, and the bench's completion form."""
+    """The prompts the evals and the bench send: the eval's chat question per aspect (the bench's summarization
+    traffic is the same question, sent as plain completion text), for documents of `split`."""
     if split == "test":
         raise DataError("ACLSum's test split holds the eval's documents: a draft head never trains on it")
     prompts = []
     for doc in aclsum_items(split):
         prompts += [chat_prompt(tokenizer, doc["abstract"], aspect)[0] for aspect in QUESTIONS]
-        prompts.append(f"{SUMMARY_INSTRUCTION}\n\nAbstract: {doc['abstract']}\n\nSummary:")
+        prompts.append(user_message(doc["abstract"], "outcome"))
     return prompts
 
 
