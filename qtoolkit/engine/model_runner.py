@@ -149,14 +149,14 @@ class ModelRunner:
 
     def forward(self, feeds: list[Feed]) -> torch.Tensor:
         """Writes the fed tokens' K/V into the cache; returns logits [sum(num_logits), vocab] in feed order."""
-        return self.model(self.prepare(feeds)[0])
+        return self.step(feeds).logits
 
     def step(self, feeds: list[Feed], aux_layers: tuple[int, ...] = ()) -> StepOutput:
         """forward(), plus the hidden states entering `aux_layers` for every fed row when any are asked for."""
-        if not aux_layers:
-            return StepOutput(self.forward(feeds))
         batch, first_rows = self.prepare(feeds, aux_layers)
         logits = self.model(batch)
+        if not aux_layers:
+            return StepOutput(logits)
         return StepOutput(logits, [batch.aux[r:r + len(f.tokens)] for f, r in zip(feeds, first_rows, strict=True)])
 
     def run(self, work: list[tuple[Sequence, int]], num_logits: list[int]) -> torch.Tensor:
