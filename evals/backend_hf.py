@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from qtoolkit.sources import resolve_model
 
@@ -48,7 +48,8 @@ class HFBackend:
             else:
                 kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
             if params.stop:
-                kw.update(stop_strings=params.stop, tokenizer=tok)
+                kw["stopping_criteria"] = StoppingCriteriaList([_StopInCompletion(tok, params.stop,
+                                                                                  enc["input_ids"].shape[1])])
             with torch.inference_mode():
                 seqs = self.model.generate(**enc, **kw)
             for row in seqs[:, enc["input_ids"].shape[1]:].tolist():
@@ -66,6 +67,20 @@ class HFBackend:
                 logits = self.model(torch.tensor([ids])).logits[0].float()
                 out.append(scored_from_logprobs(torch.log_softmax(logits, -1), ids))
         return out
+
+
+class _StopInCompletion(StoppingCriteria):
+    """Stops a row once its completion holds a stop string. transformers' own `stop_strings` also matches a stop
+    that begins in the prompt (a prompt ending in a newline plus a completion starting with `#` reads as the
+    "\\n#" stop), while the engine and OpenAI servers look at the completion alone: a paired comparison needs
+    every backend to stop at the same place."""
+
+    def __init__(self, tokenizer: Any, stop: list[str], prompt_len: int):
+        self.tokenizer, self.stop, self.prompt_len = tokenizer, list(stop), prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: Any) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:], skip_special_tokens=True)
+        return torch.tensor([any(s in t for s in self.stop) for t in texts], device=input_ids.device)
 
 
 def _strip_after_eos(row: list[int], eos: int | None) -> list[int]:

@@ -64,3 +64,26 @@ def test_code_task_gives_both_sides_identical_settings():
     task._side(base, problems)
     assert cand.params == base.params and len(cand.params) == 4  # greedy + 3 samples, seeds included
     assert all(p.stop == STOP for p in cand.params)
+
+
+def test_every_backend_ends_a_generation_at_the_same_stop(tiny_model_dir):
+    """Engine, hf and an OpenAI endpoint (qtool serve) cut one greedy completion at the same place. The stop that
+    matters is sixth in the list (where the endpoint's first-4 truncation used to drop it); the second list's
+    stop begins with the prompt's last character, which only the completion may match (transformers' own
+    stop_strings matched it across the prompt boundary and stopped the hf side early)."""
+    from qtoolkit.evals.backend_openai import OpenAIBackend
+    from qtoolkit.evals.backends import make_backend
+    from test_server import make_app, running
+
+    prompt = humaneval_problems()[0]["prompt"]
+    engine, hf = make_backend(str(tiny_model_dir), kind="engine"), make_backend(str(tiny_model_dir), kind="hf")
+    (free,) = engine.generate([prompt], GenParams(24, 0.0, [], 0))
+    assert len(free.text) > 12, free.text  # a random model's text, long enough to stop inside
+    cases = [[*STOP[:5], free.text[8:11]], [*STOP[:5], prompt[-1] + free.text[:2]]]
+    with running(make_app(tiny_model_dir)) as url:
+        endpoint = OpenAIBackend(url, model_spec=str(tiny_model_dir), retries=1)
+        for stops in cases:
+            cut = free.text.find(stops[-1])
+            expected = (free.text, "length") if cut < 0 else (free.text[:cut], "stop")
+            got = {b.name: b.generate([prompt], GenParams(24, 0.0, stops, 0))[0] for b in (engine, hf, endpoint)}
+            assert {n: (g.text, g.finish_reason) for n, g in got.items()} == dict.fromkeys(got, expected), stops
