@@ -10,9 +10,13 @@ Any other way out (sys.exit, os._exit, exit(), SystemExit, a signal) never write
 read as a pass: an exit code or printed text is not evidence. The functions the runner needs afterwards are
 bound before the program runs, so a program that rebinds `os.write` or `os._exit` cannot redirect them.
 
-What this does not stop: a program that deliberately searches its own interpreter's memory for the token
-(it lives in this process). That is the same class of attack as a completion that rewrites its own test, and
-it is not something an exit, a print or a crash does by accident; the kernel layers still contain it.
+What this does not stop: a program written to game its own tests from inside the interpreter that runs them.
+The token lives in this process, so a few deliberate lines find it (a walk up `sys._getframe()` to the runner's
+frame; measurements/2026-12-01/session7/bar-issue13.json, `forgeries_passed`), just as an answer whose `__eq__`
+always returns True passes HumanEval's `assert candidate(...) == ...` without any harness involved. No in-process
+harness can exclude this: whatever code reports success, the program can call. It is not something an exit, a
+print or a crash does by accident, and the kernel layers still contain such a program (no file, socket or
+process outside is reachable).
 """
 
 RUNNER = r"""
