@@ -33,18 +33,20 @@ _WRAP = ("import sys\nfrom qtoolkit.cli import main\nrc = main(sys.argv[1:])\n"
 
 
 class Listener:
-    """An AF_UNIX listener at a file path and one at an abstract name, recording whatever reaches them."""
+    """AF_UNIX listeners at a file path and at an abstract name, and TCP on 127.0.0.1, recording what reaches them."""
 
     def __init__(self, path: Path):
         self.received: list[bytes] = []
         self.abstract = f"\0qtool-test-{os.getpid()}"
         self.socks = []
-        for addr in (str(path), self.abstract):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        for family, addr in ((socket.AF_UNIX, str(path)), (socket.AF_UNIX, self.abstract),
+                             (socket.AF_INET, ("127.0.0.1", 0))):
+            s = socket.socket(family, socket.SOCK_STREAM)
             s.bind(addr)
             s.listen(4)
             s.settimeout(0.2)
             self.socks.append(s)
+        self.tcp = self.socks[2].getsockname()
         self.stop = False
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -66,11 +68,13 @@ class Listener:
             s.close()
 
 
-def battery(tmp: Path, results: Path, sock: Path, abstract: str, home_marker: Path) -> dict[str, str]:
-    """name -> completion of HumanEval/0's body; top-level code follows a `return` where the escape needs it."""
-    unix = ("import socket\nfor a in ({p!r}, {a!r}):\n    try:\n        s = socket.socket(socket.AF_UNIX)\n"
-            "        s.connect(a)\n        s.sendall(b'PWNED')\n    except OSError:\n        pass\n")
-    unix = unix.format(p=str(sock), a=abstract)
+def battery(tmp: Path, results: Path, sock: Path, listener: Listener, markers: list[Path]) -> dict[str, str]:
+    """name -> completion of HumanEval/0's body; top-level code follows a `return` where the escape needs it.
+    Reading the results file comes after the first batch of 16, once the file exists."""
+    unix = (f"import socket\nfor f, a in ((1, {str(sock)!r}), (1, {listener.abstract!r}), (2, {listener.tcp!r})):\n"
+            "    try:\n        s = socket.socket(f)\n        s.settimeout(1)\n        s.connect(a)\n"
+            "        s.sendall(b'PWNED')\n    except OSError:\n        pass\n")
+    home_marker, tree_marker = markers
     return {
         "sys_exit": "    import sys; sys.exit(0)\n",
         "os_exit": "    import os; os._exit(0)\n",
@@ -90,7 +94,7 @@ def battery(tmp: Path, results: Path, sock: Path, abstract: str, home_marker: Pa
                           "    raise ValueError(os.read(os.open('environ', os.O_RDONLY, dir_fd=d), 9999))\n",
         "proc_dotdot_environ": f"    raise ValueError(open('/proc/self/../{os.getpid()}/environ').read())\n",
         "read_home": f"    raise ValueError(open({str(home_marker)!r}).read())\n",
-        "read_results": f"    raise ValueError(open({str(results)!r}).read())\n",
+        "read_working_tree": f"    raise ValueError(open({str(tree_marker)!r}).read())\n",
         "setsid_sleep": "    return 42\n" + SPAWN + "spawn(['/bin/sh', '-c', 'sleep infinity; echo QTOOLMARK'], True)\n",
         "fork_bomb": "    return 42\n" + SPAWN + "spawn(['/bin/sh', '-c', 'b() { b | b & }; b'])\n"
                      "import time; time.sleep(2)\n",
@@ -101,6 +105,7 @@ def battery(tmp: Path, results: Path, sock: Path, abstract: str, home_marker: Pa
         "kill_all": "    return 42\nimport os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n    pass\n",
         "lone_surrogate": "    return '\ud83d'\n",
         "print_passed": "    print('passed'); import os; os._exit(0)\n",
+        "read_results": f"    raise ValueError(open({str(results)!r}).read())\n",
     }
 
 
@@ -119,11 +124,12 @@ def _sandbox_tasks(uid: int) -> list[str]:
 def test_hostile_battery_through_the_cli(tmp_path):
     problem = humaneval_problems()[0]
     results, sock = tmp_path / "eval.json", tmp_path / "listener.sock"
-    home_marker = Path.home() / f".qtool-cli-marker-{os.getpid()}"
-    home_marker.write_text("SECRET-HOME")
+    markers = [Path.home() / f".qtool-cli-marker-{os.getpid()}", Path.cwd() / f".qtool-cli-marker-{os.getpid()}"]
+    for m in markers:
+        m.write_text("SECRET-MARKER")
     listener = Listener(sock)
     try:
-        programs = battery(tmp_path, results, sock, listener.abstract, home_marker)
+        programs = battery(tmp_path, results, sock, listener, markers)
         rows = [{"task_id": problem["task_id"], "completion": c} for c in programs.values()]
         rows.append({"task_id": problem["task_id"], "completion": problem["canonical_solution"]})
         path = tmp_path / "samples.jsonl"
@@ -137,7 +143,8 @@ def test_hostile_battery_through_the_cli(tmp_path):
         elapsed = time.monotonic() - start
     finally:
         listener.close()
-        home_marker.unlink()
+        for m in markers:
+            m.unlink()
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     rss_mib = int(err.strip().splitlines()[-1].split()[1]) / 1024
@@ -151,6 +158,10 @@ def test_hostile_battery_through_the_cli(tmp_path):
     for name in ("sys_exit", "os_exit", "raise_systemexit", "exit_builtin", "print_passed"):
         assert by_name[name]["status"] == "exited before the tests ran", (name, by_name[name])
     assert listener.received == []
+    assert list(programs).index("read_results") >= 16  # a batch of 16 was written: the file exists outside
+    for name in ("read_home", "read_working_tree", "read_results", "proc_dotdot_environ"):
+        assert by_name[name]["error"].strip().splitlines()[-1].startswith(("FileNotFoundError", "PermissionError")), \
+            (name, by_name[name]["error"])
     text = results.read_text()
     assert "SECRET" not in text
     assert not (tmp_path / "outside.txt").exists()
