@@ -8,7 +8,7 @@ less than the share the policy asks for the gate); it is never counted as PASS, 
 INCONCLUSIVE unless the policy made the gate conditional on that share.
 
 Overall: FAIL if any gate fails, else INCONCLUSIVE if any required gate is inconclusive or without evidence,
-else PASS. Exit codes: 0 PASS, 1 FAIL, 2 error, 3 INCONCLUSIVE.
+else PASS; ERROR when a step failed. Exit codes: 0 PASS, 1 FAIL, 2 ERROR, 3 INCONCLUSIVE.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from typing import Any
 from .evals.summary import Figure, PairedDelta, TaskSummary
 
 PASS, FAIL, INCONCLUSIVE, NO_EVIDENCE = "PASS", "FAIL", "INCONCLUSIVE", "NO EVIDENCE"
-EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 3}
+# ERROR is an overall verdict only: a step did not finish, so no gate could judge the candidate
+ERROR = "ERROR"
+EXIT_CODES = {PASS: 0, FAIL: 1, ERROR: 2, INCONCLUSIVE: 3}
 
 
 @dataclass
@@ -111,7 +113,7 @@ RULE = ("Each gate is judged on its 95% interval: PASS when the end worst for th
         "FAIL when the whole interval is beyond it, INCONCLUSIVE when it straddles the bound or the interval "
         "method is unreliable at this many items; NO EVIDENCE when the metric cannot discriminate on this model "
         "(never a PASS). Overall: FAIL if any gate fails, else INCONCLUSIVE if a required gate is inconclusive "
-        "or without evidence, else PASS. Exit codes: 0 PASS, 1 FAIL, 2 error, 3 INCONCLUSIVE.")
+        "or without evidence, else PASS; ERROR when a step failed. Exit codes: 0 PASS, 1 FAIL, 2 ERROR, 3 INCONCLUSIVE.")
 
 
 def reading(gates: list[Any], evals: dict[str, Any] | None, sequential: dict[str, Any] | None) -> list[str]:

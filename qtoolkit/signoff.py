@@ -198,7 +198,7 @@ def _decide(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: d
     ablation = ablation_table(bench) if bench else None
     gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, ablation, quant)
     failed_steps = [n for n in STEPS if results.get(n, {}).get("status") != "ok"]
-    verdict = verdicts.FAIL if failed_steps else verdicts.overall([(g.verdict, g.required) for g in gates])
+    verdict = verdicts.ERROR if failed_steps else verdicts.overall([(g.verdict, g.required) for g in gates])
     reasons = [f"step {n} failed: {results[n].get('error')}" for n in failed_steps]
     reasons += [f"gate {g.name} {g.verdict.lower()}: {g.detail}" for g in gates
                 if g.verdict == verdicts.FAIL or (g.verdict != verdicts.PASS and g.required)]

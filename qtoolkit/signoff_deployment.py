@@ -142,7 +142,7 @@ def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, Endpo
                       table: dict[str, Any] | None, quant: dict[str, Any] | None) -> dict[str, Any]:
     failed_steps = [n for n in STEPS if results.get(n, {}).get("status") != "ok"]
     failed_gates = [g for g in gates if g.verdict == verdicts.FAIL or (g.verdict != verdicts.PASS and g.required)]
-    verdict = (verdicts.FAIL if failed_steps or not gates
+    verdict = (verdicts.ERROR if failed_steps else verdicts.FAIL if not gates
                else verdicts.overall([(g.verdict, g.required) for g in gates]))
     reasons = [f"step {n} failed: {results[n].get('error')}" for n in failed_steps]
     reasons += [f"gate {g.name} {g.detail}" if g.state else f"gate {g.name} failed: {g.detail}"

@@ -108,7 +108,7 @@ def test_recipe_that_fails_to_quantize_still_reports(tiny_model_dir, tmp_path):
     out = tmp_path / "bad"
     code = main(["signoff", "--model", str(tiny_model_dir), "--recipe", str(bad), *ARGS, "--output", str(out)])
     report = json.loads((out / "report.json").read_text())
-    assert code == 2 and report["verdict"] == "FAIL"
+    assert code == 2 and report["verdict"] == "ERROR"
     assert report["steps"]["quantize"]["status"] == "error" and "group_size 128" in report["steps"]["quantize"]["error"]
     assert (out / "report.html").is_file()
 
