@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from qtoolkit.evals import coverage
 from qtoolkit.evals.stats import LABELS, coverage_at, paired_delta, ratio_over_rounds, token_stats
+from qtoolkit.evals.summary import figure_from_json
 
 from qtoolkit.commands.signoff import DEFAULT_MAX_ITEMS
+from qtoolkit.gates import INCONCLUSIVE, judge_quality
 from qtoolkit.policy import load_policy
 from qtoolkit.sequential import stages
 from qtoolkit.signoff_steps import SignoffConfig
@@ -21,6 +23,10 @@ GATED = ("kld", "nll", "bounded", "binary", "rounds")  # kld_mean, nll_delta, ro
 # checkpoint's measured bytes: a point, no sample)
 GATE_SHAPES = {"kld_mean": "kld", "nll_delta": "nll", "rougeL_drop": "bounded", "pass_at_1_drop": "binary",
                "min_speedup": "rounds"}
+# (shape, n) where the table's method misses 93%: Newcombe's paired interval covers 0.929 at 64 items in the worst
+# calibrated scenario (measurements/2026-12-01/ci-coverage.json; 0.952 at 40, 0.946 at 80: binary coverage is
+# not monotone in n)
+SHORT = {("binary", 64)}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +93,13 @@ def test_every_default_policy_gate_reads_a_shape_the_table_vouches_for_at_the_ma
         shape = GATE_SHAPES[gate]
         for n in [cfg.rounds] if shape == "rounds" else looks:
             method, cov, reliable = coverage_at(shape, n)
+            if (shape, n) in SHORT:  # measured below the bar: marked unreliable, so the gate cannot pass there
+                assert not reliable and cov < coverage.TARGET, (gate, n, cov)
+                continue
             assert reliable and cov >= coverage.TARGET and method not in coverage.LEGACY, (gate, n, method, cov)
+    # a pass@1 drop that looks well within its bound at 64 items still decides nothing there
+    fig = figure_from_json(paired_delta([1.0] * 32 + [0.0] * 32, [1.0] * 32 + [0.0] * 32, seed=0))
+    assert judge_quality(fig, -1.0, False, max_=0.15, min_=None).verdict == INCONCLUSIVE
 
 
 def test_the_figures_gates_read_take_the_method_of_their_shape():
