@@ -86,6 +86,10 @@ def gate_map() -> list[dict]:
                 # token statistics count their items in text_stats (KLD's interval is over items)
                 n = fig.items if getattr(fig, "items", None) else summary.text_stats.entries["items"]
                 shape = GATE_SHAPES[gate]
+                sub = {"kld": "kld-heavy", "bounded": "bounded-sparse"}.get(shape)
+                base_cov = coverage_at(shape, int(n))[1]
+                if sub and fig.ci.coverage != base_cov and fig.ci.coverage == coverage_at(sub, int(n))[1]:
+                    shape = sub  # stats.refine_shape: item means spread widely, or most deltas are exactly 0
                 table_method, cov, reliable = coverage_at(shape, int(n))
                 rows.append({"eval": run, "gate": f"{task}.{gate}", "shape": shape, "items": n,
                              "figure_method": fig.ci.method, "figure_coverage": fig.ci.coverage,
