@@ -29,7 +29,7 @@ from qtoolkit.progress import bar
 from . import intervals as iv
 from .coverage_scenarios import Sample, Scenario
 
-ITEM_SIZES = (3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 40, 80, 164)
+ITEM_SIZES = (3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 32, 40, 64, 80, 164)  # 8, 16, 32, 64: the main job's looks
 ROUND_SIZES = (2, 3, 4, 5, 6, 8, 10)
 TARGET = 0.93  # the bar: nominal 95%, at least 93% simulated
 MAX_UNBOUNDED = 0.01  # share of simulated intervals with an infinite end (bootstrap-t, tiny or sparse samples)

@@ -31,6 +31,7 @@ class Judgement:
     resolution: str = ""  # the smallest violation this gate could detect at the sample size used
     required: bool = True
     ci_method: str | None = None
+    ci_coverage: float | None = None  # the method's simulated coverage at this sample size (evals/coverage.py)
 
 
 def _fmt(v: float) -> str:
@@ -94,9 +95,16 @@ def judge_quality(fig: Figure | float | None, sign: float, point_only: bool, *, 
     items = fig.items
     j = judge_interval(None if point is None else sign * point, lo, hi, max_=max_, min_=min_,
                        n_text=f", {items} items" if items else "")
-    j.ci_method = fig.ci.method
-    if fig.ci.reliable is False and j.verdict != NO_EVIDENCE:
-        j.verdict, j.detail = INCONCLUSIVE, f"too few items for a reliable interval ({j.detail})"
+    return with_interval_method(j, fig.ci.method, fig.ci.coverage, fig.ci.reliable, "items")
+
+
+def with_interval_method(j: Judgement, method: str | None, coverage: float | None, reliable: bool | None,
+                         unit: str) -> Judgement:
+    """Name the interval's method and simulated coverage; an interval whose method does not hold its coverage
+    at this sample size (`reliable` False) decides nothing: INCONCLUSIVE, never PASS."""
+    j.ci_method, j.ci_coverage = method, coverage
+    if reliable is False and j.verdict != NO_EVIDENCE:
+        j.verdict, j.detail = INCONCLUSIVE, f"too few {unit} for a reliable interval ({j.detail})"
     return j
 
 

@@ -25,11 +25,12 @@ class Gate:
     required: bool = True
     resolution: str = ""  # the smallest violation the gate could detect at the sample size used
     ci_method: str | None = None
+    ci_coverage: float | None = None  # simulated coverage of that method at this sample size
 
     @classmethod
     def of(cls, name: str, j: verdicts.Judgement, point: float | None = None, judged: float | None = None) -> Gate:
         return cls(name, j.verdict == verdicts.PASS, j.detail, point, judged, j.verdict, j.required, j.resolution,
-                   j.ci_method)
+                   j.ci_method, j.ci_coverage)
     state: str | None = None  # "not measurable": the deployment cannot give the figure (an INCONCLUSIVE gate)
 
 
@@ -70,6 +71,8 @@ def evaluate_gates(policy: Policy, evals: dict[str, Any] | None, ablation: dict[
         j = verdicts.judge_interval(point, lo, hi, max_=None, min_=limit,
                                     n_text=f", {rounds.rounds} rounds" if lo is not None else "")
         j.detail += where + how
+        if lo is not None:
+            j = verdicts.with_interval_method(j, rounds.ci.method, rounds.ci.coverage, rounds.ci.reliable, "rounds")
         gates.append(Gate.of(f"throughput.{attr}", j, point, judged))
     totals = (quant or {}).get("totals", {})
     for attr, key in (("max_linear_ratio_vs_bf16", "linear_ratio_vs_bf16"), ("max_checkpoint_bytes", "checkpoint_bytes")):

@@ -172,6 +172,14 @@ def kld_values(folder: Path) -> dict[str, list[float]]:
     return out
 
 
+def _method_cell(gate: dict[str, Any]) -> str:
+    """The interval's method and its simulated coverage at the sample size used (evals/ci_coverage_table.py)."""
+    if not gate.get("ci_method"):
+        return ""
+    cov = gate.get("ci_coverage")
+    return f" ({gate['ci_method']}{'' if cov is None else f', simulated coverage {cov:.1%}'})"
+
+
 # ---- text ----------------------------------------------------------------------------------------------------
 def markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
@@ -183,7 +191,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["## Gates", "", "| gate | result | point | judged (CI bound) | detail | could detect |",
               "|---|---|---|---|---|---|"]
     lines += [f"| {g['name']} | {_verdict(g)} | {_fmt(g['point'])} | {_fmt(g['judged'])} | {_cell(g['detail'])} | "
-              f"{_cell(g.get('resolution', ''))}{' (' + g['ci_method'] + ')' if g.get('ci_method') else ''} |"
+              f"{_cell(g.get('resolution', ''))}{_method_cell(g)} |"
               for g in report["gates"]]
     if report.get("reading"):
         lines += ["", "## How to read this verdict", ""] + [f"- {n}" for n in report["reading"]]

@@ -122,6 +122,22 @@ def test_metric_presence_rules_chat_and_completion(tiny_pair, tmp_path, capsys):
     assert "custom:mixed: 3 items" in capsys.readouterr().out
 
 
+def test_hf_backend_scores_the_same_items(tiny_pair, tmp_path):
+    """--backend hf (plain transformers) gives the custom task's figures too: every backend, not only the engine."""
+    cand, base = tiny_pair
+    f = write_jsonl(tmp_path / "w.jsonl", [
+        {"id": "p", "prompt": "The sky is"},
+        {"id": "c", "messages": [{"role": "user", "content": "Say hello."}], "reference": "Hello there."},
+    ])
+    out = tmp_path / "e.json"
+    assert main(["eval", "--model", cand, "--baseline", base, "--backend", "hf", "--task", "custom", "--data",
+                 str(f), "--max-tokens", "3", "--output", str(out)]) == 0
+    task = json.loads(out.read_text())["tasks"]["custom:w"]
+    s = task["summary"]
+    assert s["items"] == 2 and s["text_stats"]["kld"]["ci95"] and s["rougeL"]["items"] == 1
+    assert not s["not_computed"] and all(r["baseline"]["tokens"] <= 3 for r in task["records"].values())
+
+
 def test_10k_file_with_limit_resumes_without_loading_models(tiny_pair, tmp_path, monkeypatch):
     cand, base = tiny_pair
     f = write_jsonl(tmp_path / "big.jsonl", [{"id": i, "prompt": f"Item {i}:"} for i in range(10_000)])

@@ -102,6 +102,19 @@ def test_throughput_gate_judges_the_lower_bound_over_rounds(rounds, passed):
         assert gate.judged == gate.point == pytest.approx(1.2)
 
 
+def test_throughput_gate_names_its_interval_and_an_unreliable_one_decides_nothing():
+    from qtoolkit.ablation import ablation_table
+
+    ab = ablation_table(_bench_tier(10.0, 12.0, {"baseline_static": [10.0, 10.0, 10.0],
+                                                 "candidate_continuous": [12.0, 12.4, 11.8]}))
+    policy = load_policy("default")
+    gate = {g.name: g for g in evaluate_gates(policy, None, ab, None)}["throughput.min_speedup"]
+    assert gate.verdict == "PASS" and "log ratios" in gate.ci_method and gate.ci_coverage >= 0.93
+    ab["tiers"][-1]["total_speedup_rounds"]["ci_reliable"] = False  # a round count the harness does not vouch for
+    gate = {g.name: g for g in evaluate_gates(policy, None, ab, None)}["throughput.min_speedup"]
+    assert gate.verdict == "INCONCLUSIVE" and not gate.passed and "too few rounds" in gate.detail
+
+
 def test_extra_rounds_get_prompts_no_earlier_request_had():
     from qtoolkit.ablation import fresh_requests
     from qtoolkit.workloads import build_workload

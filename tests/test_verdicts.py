@@ -83,6 +83,7 @@ def test_verdict_paths_through_the_cli(tmp_path, capsys, kld, code, word):
     policy = tmp_path / "p.yaml"
     policy.write_text(POLICY)
     out = tmp_path / "run"
+    kld = {**kld, "ci_method": "bootstrap-t (studentized, by item)", "ci_coverage": 0.939, "ci_reliable": True}
     _fabricate(out, _summary(kld, [0] * 8, [0] * 8))
     rc, stdout, stderr = _signoff(out, policy, capsys)
     assert rc == code, stderr[-2000:]
@@ -92,6 +93,8 @@ def test_verdict_paths_through_the_cli(tmp_path, capsys, kld, code, word):
     md = (out / "report.md").read_text()
     assert "no evidence (not required)" in md and "code quality on this model rests on code.kld_mean" in md
     assert "could detect" in md and "CI half-width" in md
+    assert "(bootstrap-t (studentized, by item), simulated coverage 93.9%)" in md  # the method and its coverage
+    assert {g["name"]: g["ci_coverage"] for g in report["gates"]}["code.kld_mean"] == 0.939
     assert "Model-written code ran under bubblewrap: pid namespace, mount namespace" in md
 
 
