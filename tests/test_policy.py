@@ -84,7 +84,7 @@ def test_ratio_over_rounds_is_a_t_interval_on_log_ratios():
 
 
 @pytest.mark.parametrize("rounds, passed", [
-    (None, True),  # one round: judged on its point, 1.2x
+    (None, False),  # one round: a 1.2x point bounds no noise, so INCONCLUSIVE, never a PASS
     ({"baseline_static": [10.0, 10.0, 10.0], "candidate_continuous": [12.0, 12.4, 11.8]}, True),
     # the same first round, then rounds that spread from 0.9x to 1.5x: the lower bound is below 1.0
     ({"baseline_static": [10.0, 10.0, 10.0], "candidate_continuous": [12.0, 9.0, 15.0]}, False),
@@ -100,6 +100,7 @@ def test_throughput_gate_judges_the_lower_bound_over_rounds(rounds, passed):
         assert gate.judged < gate.point and "lower 95% bound over 3 rounds" in gate.detail
     else:
         assert gate.judged == gate.point == pytest.approx(1.2)
+        assert gate.verdict == "INCONCLUSIVE" and "--rounds 3 or more" in gate.detail
 
 
 def test_throughput_gate_names_its_interval_and_an_unreliable_one_decides_nothing():

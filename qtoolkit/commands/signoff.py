@@ -58,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default ngram; none leaves the layer out)")
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds of the throughput gates' systems at the top tier, on fresh requests each; the gates "
-                        "judge the lower 95%% bound of the per-round speedups (default 5; 1 judges one point)")
+                        "judge the lower 95%% bound of the per-round speedups (default 5; with 1 there is no interval "
+                        "and the gates are INCONCLUSIVE)")
     p.add_argument("--max-items", type=int, default=None,
                    help="while a quality gate is inconclusive, double the items per task up to this budget "
                         f"(default: {DEFAULT_MAX_ITEMS}, or --limit if larger; equal to --limit: one look)")
