@@ -11,9 +11,18 @@ import threading
 import time
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from qtoolkit.errors import ModelSourceError, OutputExistsError
-from qtoolkit.io import OutputLockedError, lock_output, previous_path, read_results_json, write_json
+from qtoolkit.io import (
+    OutputLockedError,
+    atomic_dir,
+    lock_output,
+    previous_path,
+    read_results_json,
+    write_json,
+)
 from qtoolkit.provenance import folder_sha256
 from qtoolkit.sources import _check_folder, convert_once
 
@@ -65,6 +74,22 @@ def test_writes_keep_the_previous_version_and_follow_the_umask(tmp_path):
     assert json.loads(previous_path(out).read_text()) == {"n": 1}
     assert out.stat().st_mode & 0o777 == 0o644
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize(("mask", "folder", "file"), [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)])
+def test_output_folders_follow_the_umask(tmp_path, mask, folder, file):
+    old = os.umask(mask)
+    try:
+        with atomic_dir(tmp_path / "ckpt") as tmp:
+            save_file({"w": torch.zeros(2)}, tmp / "model.safetensors")  # written through a 0600 temp file
+            (tmp / "sub").mkdir()
+            (tmp / "sub" / "config.json").write_text("{}")
+    finally:
+        os.umask(old)
+    out = tmp_path / "ckpt"
+    assert out.stat().st_mode & 0o777 == folder and (out / "sub").stat().st_mode & 0o777 == folder
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()} == {
+        "model.safetensors": file, "config.json": file}
 
 
 def test_an_empty_results_file_is_reported_with_the_way_to_resume(tmp_path):
