@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from qtoolkit.io import (
 from qtoolkit.provenance import folder_sha256
 from qtoolkit.sources import _check_folder, convert_once
 
+REPO = Path(__file__).resolve().parents[1]
 HOLDER = textwrap.dedent("""
     import sys, time
     from evals.results import ResultsFile
@@ -156,6 +159,24 @@ def test_pickle_only_folders_are_refused_with_one_line(tmp_path):
     with pytest.raises(ModelSourceError, match="pickle weights are refused") as e:
         _check_folder(tmp_path)
     assert "pytorch_model.bin" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_transformers_model_load_passes_use_safetensors():
+    """A folder holding both formats must never be read through its pickle files; a GGUF file is the exception
+    (transformers' GGUF reader takes `gguf_file`, not safetensors)."""
+    missing = []
+    for path in sorted(p for d in ("qtoolkit", "evals", "kernels") for p in (REPO / d).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "from_pretrained" and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id.startswith("AutoModel")):
+                continue
+            kw = {k.arg: k.value for k in node.keywords}
+            if "gguf_file" in kw:
+                continue
+            if not (isinstance(kw.get("use_safetensors"), ast.Constant) and kw["use_safetensors"].value is True):
+                missing.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not missing
 
 
 def test_cli_runs_into_a_locked_output_fail_at_once_with_one_line(tiny_model_dir, tmp_path, capsys):
