@@ -2,7 +2,8 @@
 
 A results JSON is written to a temp file in the same folder, fsynced, and renamed over the old one, whose last
 version stays as FILE.prev; then the folder is fsynced so the rename itself survives a power loss. Files get
-the permissions the umask gives (0666 & ~umask), as `open()` would. One run at a time writes an output: a
+the permissions the umask gives (0666 & ~umask), as `open()` would, and so does every file and folder of an
+output folder (a checkpoint, a converted GGUF). One run at a time writes an output: a
 second run into it fails at once, naming the pid that holds it (fcntl.flock on a sidecar lock file, released
 by the kernel however the holder ends).
 """
@@ -112,6 +113,7 @@ def atomic_dir(target: str | os.PathLike, overwrite: bool = False) -> Iterator[P
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
+        follow_umask(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -123,6 +125,29 @@ def atomic_dir(target: str | os.PathLike, overwrite: bool = False) -> Iterator[P
     else:
         tmp.rename(target)
     fsync_dir(target.parent)
+
+
+def current_umask() -> int:
+    # /proc first: os.umask can only be read by setting it, which races with other threads creating files
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(folder: Path) -> None:
+    """Give a finished output folder the modes the umask gives: mkdtemp makes it 0700, and libraries that write
+    through temp files (safetensors' save_file) leave 0600 files, which other users could not read."""
+    mask = current_umask()
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, (0o777 if os.access(path, os.X_OK) else 0o666) & ~mask)
 
 
 def fsync_dir(folder: Path) -> None:

@@ -187,7 +187,8 @@ def markdown(report: dict[str, Any]) -> str:
              f"Model `{cfg['model']}` with recipe `{cfg['recipe']}` under policy `{report['policy']['name']}` "
              f"({report['created']}).", ""]
     if report["reasons"]:
-        lines += ["## Why it fails", ""] + [f"- {r}" for r in report["reasons"]] + [""]
+        why = {"FAIL": "Why it fails", "INCONCLUSIVE": "Why it is inconclusive"}.get(report["verdict"], "Why")
+        lines += [f"## {why}", ""] + [f"- {r}" for r in report["reasons"]] + [""]
     lines += ["## Gates", "", "| gate | result | point | judged (CI bound) | detail | could detect |",
               "|---|---|---|---|---|---|"]
     lines += [f"| {g['name']} | {_verdict(g)} | {_fmt(g['point'])} | {_fmt(g['judged'])} | {_cell(g['detail'])} | "

@@ -145,8 +145,8 @@ def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, Endpo
     verdict = (verdicts.ERROR if failed_steps else verdicts.FAIL if not gates
                else verdicts.overall([(g.verdict, g.required) for g in gates]))
     reasons = [f"step {n} failed: {results[n].get('error')}" for n in failed_steps]
-    reasons += [f"gate {g.name} {g.detail}" if g.state else f"gate {g.name} failed: {g.detail}"
-                for g in failed_gates]
+    # as the local sign-off words them: the gate's own verdict (a no-evidence gate has not "failed")
+    reasons += [f"gate {g.name} {g.verdict.lower()}: {g.detail}" for g in failed_gates]
     not_measurable = [{"key": k, "what": what, "reason": why} for k, what, why in ALWAYS_NOT_MEASURABLE]
     for task, entry in ((evals or {}).get("tasks") or {}).items():  # what the endpoints could not score
         for line in (entry.get("summary") or {}).get("not_computed", []):

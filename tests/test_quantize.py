@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,10 @@ def test_int4_rtn_checkpoint_is_compressed_tensors(rtn_dir):
     assert report["totals"]["linear_ratio_vs_bf16"] <= 0.30
     assert report["smoke_test"]["completion"]  # transformers reloaded it and generated
     assert (rtn_dir / "tokenizer.json").is_file() and (rtn_dir / "qtoolkit_recipe.yaml").is_file()
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert rtn_dir.stat().st_mode & 0o777 == 0o777 & ~mask  # not mkdtemp's 0700
+    assert (rtn_dir / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask  # not the temp file's 0600
 
 
 def test_int4_dequantized_within_half_a_step(rtn_dir, tiny_model_dir):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -9,14 +10,25 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from qtoolkit.errors import ModelSourceError, OutputExistsError
-from qtoolkit.io import OutputLockedError, lock_output, previous_path, read_results_json, write_json
+from qtoolkit.io import (
+    OutputLockedError,
+    atomic_dir,
+    lock_output,
+    previous_path,
+    read_results_json,
+    write_json,
+)
 from qtoolkit.provenance import folder_sha256
 from qtoolkit.sources import _check_folder, convert_once
 
+REPO = Path(__file__).resolve().parents[1]
 HOLDER = textwrap.dedent("""
     import sys, time
     from evals.results import ResultsFile
@@ -65,6 +77,22 @@ def test_writes_keep_the_previous_version_and_follow_the_umask(tmp_path):
     assert json.loads(previous_path(out).read_text()) == {"n": 1}
     assert out.stat().st_mode & 0o777 == 0o644
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize(("mask", "folder", "file"), [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)])
+def test_output_folders_follow_the_umask(tmp_path, mask, folder, file):
+    old = os.umask(mask)
+    try:
+        with atomic_dir(tmp_path / "ckpt") as tmp:
+            save_file({"w": torch.zeros(2)}, tmp / "model.safetensors")  # written through a 0600 temp file
+            (tmp / "sub").mkdir()
+            (tmp / "sub" / "config.json").write_text("{}")
+    finally:
+        os.umask(old)
+    out = tmp_path / "ckpt"
+    assert out.stat().st_mode & 0o777 == folder and (out / "sub").stat().st_mode & 0o777 == folder
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()} == {
+        "model.safetensors": file, "config.json": file}
 
 
 def test_an_empty_results_file_is_reported_with_the_way_to_resume(tmp_path):
@@ -131,6 +159,24 @@ def test_pickle_only_folders_are_refused_with_one_line(tmp_path):
     with pytest.raises(ModelSourceError, match="pickle weights are refused") as e:
         _check_folder(tmp_path)
     assert "pytorch_model.bin" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_transformers_model_load_passes_use_safetensors():
+    """A folder holding both formats must never be read through its pickle files; a GGUF file is the exception
+    (transformers' GGUF reader takes `gguf_file`, not safetensors)."""
+    missing = []
+    for path in sorted(p for d in ("qtoolkit", "evals", "kernels") for p in (REPO / d).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "from_pretrained" and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id.startswith("AutoModel")):
+                continue
+            kw = {k.arg: k.value for k in node.keywords}
+            if "gguf_file" in kw:
+                continue
+            if not (isinstance(kw.get("use_safetensors"), ast.Constant) and kw["use_safetensors"].value is True):
+                missing.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not missing
 
 
 def test_cli_runs_into_a_locked_output_fail_at_once_with_one_line(tiny_model_dir, tmp_path, capsys):

@@ -204,3 +204,24 @@ def test_load_past_the_admission_bound(live):
     assert peak[0] == state.driver.max_in_flight  # the bound was reached, never passed
     assert all(tokens == 40 for s, tokens in results if s == 200)
     wait_until_idle(url)
+
+
+def test_prompts_are_tokenized_off_the_event_loop(live):
+    url, state = live
+    threads: list[str] = []
+    real = state.tokenizer.encode
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    state.tokenizer.encode = recording
+    try:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": ["hi", "there"], "max_tokens": 1}, timeout=TIMEOUT)
+        c = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 1}, timeout=TIMEOUT)
+    finally:
+        state.tokenizer.encode = real
+    assert r.status_code == 200 and c.status_code == 200, (r.text, c.text)
+    # every encode ran on the server's tokenize worker, none on the thread that runs the event loop
+    assert len(threads) >= 3 and all(name.startswith("qtool-tokenize") for name in threads), threads

@@ -98,6 +98,10 @@ def test_signoff_decides_names_the_endpoints_and_lists_what_it_cannot_measure(ru
     assert report["ablation"] is None and report["diagnose"] is None  # never filled in from the local engine
     assert {x["key"] for x in report["not_measurable"]} >= {"ablation", "kld", "speculative_engine", "diagnose"}
     md = (out / "report.md").read_text()
+    for reason in report["reasons"]:  # each names its gate's own verdict: an INCONCLUSIVE gate has not "failed"
+        name = reason.split()[1]
+        assert reason.startswith(f"gate {name} {gates[name]['verdict'].lower()}: "), reason
+    assert report["reasons"] and ("## Why it is inconclusive" in md) == (report["verdict"] == "INCONCLUSIVE")
     assert "## Ablation: not measurable on this deployment" in md
     assert f"candidate: {endpoints['candidate'].removesuffix('/v1')}" in md and "(not measurable) |" in md
     assert "not measurable on this deployment" in (out / "report.html").read_text()

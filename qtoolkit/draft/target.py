@@ -25,7 +25,8 @@ class Features:
 class Teacher:
     def __init__(self, path: str, aux_layer_ids: tuple[int, int, int], device: torch.device):
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                              use_safetensors=True).eval().to(device)
         except (OSError, ValueError) as e:
             raise ModelSourceError(f"transformers cannot load {path} as a causal LM ({str(e).splitlines()[0]}): "
                                    "pass a dense or compressed-tensors model folder") from None
