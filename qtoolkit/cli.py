@@ -47,7 +47,7 @@ environment variables:
   QTOOLKIT_EXT_DIR=DIR   where the C++ kernels are built and cached (default: ~/.cache/qtoolkit/torch_extensions)
   LLM_COMPRESSOR_LOG_LEVEL  llm-compressor's own log level (qtool sets WARNING; INFO with -v, ERROR with -q)
 
-exit codes: 0 ok / PASS, 1 a gate failed (FAIL), 2 bad input or an error"""
+exit codes: 0 ok / PASS, 1 a gate failed (FAIL), 2 bad input or an error (ERROR), 3 undecided (INCONCLUSIVE)"""
 
 EXAMPLES = """\
 examples:
