@@ -60,11 +60,13 @@ examples:
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Each flag's default after its help (not for flags whose default is "unset"), text kept as written."""
+    """Each flag's default after its help (not for flags whose default is "unset", nor for switches: a
+    `--no-x` flag's default True reads as if the switch were on), text kept as written."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or \
+                isinstance(action, argparse._StoreFalseAction):
             return text
         return super()._get_help_string(action)
 

@@ -47,9 +47,12 @@ def test_help_has_description_examples_defaults_and_flag_help(path, capsys):
         if not isinstance(action, argparse._SubParsersAction):
             assert action.help, f"qtool {' '.join(path)} {action.option_strings} has no help"
     shown = [a for a in parser._actions if a.option_strings and a.default not in (None, False, argparse.SUPPRESS)
-             and not isinstance(a, argparse._HelpAction) and "default" not in (a.help or "")]
+             and not isinstance(a, (argparse._HelpAction, argparse._StoreFalseAction)) and "default" not in (a.help or "")]
     for action in shown:  # ArgumentDefaultsHelpFormatter's "(default: X)" on every flag that has one
         assert "%(default)s" in HelpFormatter("qtool")._get_help_string(action), action
+    for action in parser._actions:  # `--no-x (default: True)` would read as the switch being on
+        if isinstance(action, argparse._StoreFalseAction):
+            assert "%(default)s" not in HelpFormatter("qtool")._get_help_string(action), action
     if len(path) == 1 or path[0] == "bench" and len(path) == 2:
         assert "QTOOLKIT_NO_CPU_EXT" in out and "QTOOLKIT_EXT_DIR" in out and "QTOOLKIT_CACHE" in out
 

@@ -164,8 +164,8 @@ def test_batch1_greedy_matches_transformers_short_and_past_the_window(family, pa
     assert engine.stats().kv_blocks_used == 0
 
 
-def test_mixed_batch_with_preemption_matches_transformers(new_family):
-    name, folder, _, greedy = new_family
+def test_mixed_batch_with_preemption_matches_transformers(family):
+    name, folder, _, greedy = family
     prompts = [SHORT, LONG, *random_prompts((3, 60, 17, 40, 25, 8))]
     lengths = [24, 20, 24, 16, 24, 22, 18, 24]
     engine = make(folder, blocks=28, max_num_seqs=8, max_num_batched_tokens=32)
@@ -189,31 +189,39 @@ def test_prefix_cache_hits_past_the_window_keep_greedy_identity(new_family):
     assert engine.stats().prefix_cache_hit_tokens >= 2 * 40
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "self"])
-def test_speculation_keeps_greedy_identity(new_family, proposer):
+@pytest.mark.parametrize("name, proposer", [*((f, "ngram") for f in FAMILIES), *((f, "self") for f in NEW)])
+def test_speculation_keeps_greedy_identity(built, name, proposer):
     """ngram proposals on this random model are mostly rejected; the model drafting for itself (`self:PATH`, its
     own paged cache) has every draft accepted: both ends of multi-token verification through the windows."""
-    name, folder, _, greedy = new_family
+    name, folder, _, greedy = built(name)
     spec = "ngram" if proposer == "ngram" else f"self:{folder}"
     engine = make(folder, speculative=spec, num_speculative_tokens=4, max_verify_tokens=64,
                   max_num_batched_tokens=32)
     engine.spec_policy.adaptive = False  # keep proposing: the verification path is what is tested
-    prompts = [REPEAT, LONG, SHORT]
-    outs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
-    for out, p in zip(outs, prompts, strict=True):
-        ref = greedy(p, 24)
+    short = tuple(_tok(folder)(SHORT).input_ids)
+    looped = short + tuple(greedy(SHORT, 24)) + short  # a model that repeats itself gets a prompt-lookup match
+    prompts = [REPEAT, LONG, SHORT, looped]
+    outs = engine.generate([list(p) if isinstance(p, tuple) else p for p in prompts],
+                           SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
+    refs = [greedy(p, 24) for p in prompts]
+    for out, ref in zip(outs, refs, strict=True):
         assert out.token_ids == ref, f"{name} {proposer}: diverged at {first_difference(out.token_ids, ref)}"
     stats = engine.stats()
-    assert stats.speculative.draft_tokens > 0 and stats.kv_blocks_used == 0
+    assert stats.kv_blocks_used == 0
     if proposer == "self":
-        assert stats.speculative.acceptance_rate == 1.0
+        assert stats.speculative.draft_tokens > 0 and stats.speculative.acceptance_rate == 1.0
+        return
+    # prompt lookup has a proposal at a decode step iff the newest token occurred earlier in the context
+    contexts = [list(p) if isinstance(p, tuple) else _tok(folder)(p).input_ids for p in prompts]
+    hits = any(out[j - 1] in ctx + out[:j - 1] for ctx, out in zip(contexts, refs, strict=True) for j in range(1, 23))
+    assert (stats.speculative.draft_tokens > 0) == hits, name
 
 
-def test_int4_checkpoint_loads_and_generates(new_family, tmp_path):
+def test_int4_checkpoint_loads_and_generates(family, tmp_path):
     from qtoolkit.model.quant_linear import DenseLinear
     from qtoolkit.quantize import quantize
 
-    name, folder, _, _ = new_family
+    name, folder, _, _ = family
     quantize(folder, "int4-rtn", tmp_path / "int4", verify=False)
     engine = Engine(str(tmp_path / "int4"), kv_cache_memory="16MiB", block_size=BLOCK_SIZE)
     assert not isinstance(engine.model.layers[0].attn.qkv_proj, DenseLinear)
