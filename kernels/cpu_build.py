@@ -6,10 +6,16 @@ Two extensions: the dequant-matmul kernels (kernels/cpu_kernels.cpp) and the eng
 The build goes to ~/.cache/qtoolkit/torch_extensions (override with QTOOLKIT_EXT_DIR) and is reused while the
 source and compiler flags are unchanged. Without gcc, without AVX2, or with QTOOLKIT_NO_CPU_EXT=1 the callers
 fall back to torch ops (correct, slower).
+
+torch's builder serializes on a `lock` file it creates and removes; a build killed midway (Ctrl-C, OOM) leaves it
+behind and every later load waits on it forever. So qtoolkit's builders first take an flock on a sidecar file,
+which the kernel releases when its holder dies: whoever holds it is the only qtoolkit builder of that folder, and
+a `lock` file it finds is a dead build's, removed before torch looks.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -46,6 +52,13 @@ def engine_ops():
     return _build("qtoolkit_engine_ops", ENGINE_OPS_SOURCE)
 
 
+def build_directory(prefix: str, source: Path) -> Path:
+    """Where one extension is built: named by a hash of its source, flags and torch version."""
+    tag = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+    root = Path(os.environ.get("QTOOLKIT_EXT_DIR", Path.home() / ".cache" / "qtoolkit" / "torch_extensions"))
+    return root / f"{prefix}_{tag}"
+
+
 def _build(prefix: str, source: Path):
     if os.environ.get("QTOOLKIT_NO_CPU_EXT") == "1":
         return None
@@ -53,14 +66,14 @@ def _build(prefix: str, source: Path):
         log.info("qtoolkit CPU kernels unavailable (no AVX2 or source missing); using torch fallback")
         return None
 
-    text = source.read_bytes()
-    tag = hashlib.sha256(text + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
-    root = Path(os.environ.get("QTOOLKIT_EXT_DIR", Path.home() / ".cache" / "qtoolkit" / "torch_extensions"))
-    build_dir = root / f"{prefix}_{tag}"
+    build_dir = build_directory(prefix, source)
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return load(name=f"{prefix}_{tag}", sources=[str(source)], extra_cflags=FLAGS,
-                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        with open(build_dir / "qtoolkit-build.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)  # a killed build's baton: nobody else holds the flock
+            return load(name=build_dir.name, sources=[str(source)], extra_cflags=FLAGS,
+                        extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as e:  # no compiler, bad headers: the torch path still works
         log.warning("qtoolkit CPU kernels (%s) failed to build (%s); using torch fallback", source.name,
                     str(e).splitlines()[0])
