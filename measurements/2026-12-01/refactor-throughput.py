@@ -51,8 +51,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--before", required=True)
     p.add_argument("--after", required=True)
-    p.add_argument("--int4", required=True)
+    p.add_argument("--int4")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--serve-only", action="store_true", help="bench serve only (no bench decode, no --int4 needed)")
     p.add_argument("--output", required=True)
     a = p.parse_args()
     trees = {"before": a.before, "after": a.after}
@@ -60,7 +61,8 @@ def main() -> None:
     for r in range(a.rounds):
         order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
         for which in order:
-            figures = {**_decode(trees[which], ["default", a.int4]), **_serve(trees[which])}
+            decode = {} if a.serve_only else _decode(trees[which], ["default", a.int4])
+            figures = {**decode, **_serve(trees[which])}
             for k, v in figures.items():
                 samples[which].setdefault(k, []).append(v)
             print(r, which, {k: round(v, 1) for k, v in figures.items()}, flush=True)
