@@ -134,8 +134,9 @@ def test_code_task_through_cli(tiny_pair, tmp_path, capsys):
     assert "pass@1" in capsys.readouterr().out
 
 
-def test_endpoint_candidate_reports_what_it_cannot_score(tiny_model_dir, tmp_path):
-    """Through qtool serve (no echo/logprobs), generation metrics work and scoring ones are listed as missing."""
+def test_endpoint_candidate_scores_nll_but_not_kld(tiny_model_dir, tmp_path):
+    """Through qtool serve (echo + logprobs, no full distributions), generation metrics and NLL are measured and
+    KLD is listed as not computed, never guessed."""
     from test_server import make_app, running
 
     with running(make_app(tiny_model_dir)) as url:
@@ -144,7 +145,10 @@ def test_endpoint_candidate_reports_what_it_cannot_score(tiny_model_dir, tmp_pat
                                   task_options={"max_tokens": 8}))
     s = res["tasks"]["code"]["summary"]
     assert s["pass@1"]["items"] == 1
-    assert s["not_computed"] and "echo" in s["not_computed"][0]
+    assert s["nll_canonical_solution"]["delta"] is not None  # same weights on both sides: a delta near 0
+    assert abs(s["nll_canonical_solution"]["delta"]) < 1e-3
+    stats = s["text_stats"]
+    assert "kld" not in stats and any(x.startswith("kld") for x in stats["not_computed"])
     assert res["models"]["candidate"]["backend"] == "openai"
 
 

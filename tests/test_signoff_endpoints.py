@@ -86,12 +86,12 @@ def test_signoff_decides_names_the_endpoints_and_lists_what_it_cannot_measure(ru
         assert {r: e["endpoint"] for r, e in tier["endpoints"].items()} == {
             "candidate": endpoints["candidate"].removesuffix("/v1"), "baseline": endpoints["baseline"]}
     gates = {g["name"]: g for g in report["gates"]}
-    for name in ("code.kld_mean", "summarization.kld_mean", "code.nll_delta"):  # qtool serve refuses echo
+    for name in ("code.kld_mean", "summarization.kld_mean"):  # an endpoint gives no full distributions
         assert gates[name]["state"] == "not measurable" and not gates[name]["passed"]
         assert gates[name]["verdict"] == "INCONCLUSIVE"
         assert gates[name]["point"] is None
     measured = ["code.pass_at_1_drop", "summarization.rougeL_drop", "throughput.min_speedup",
-                "memory.max_linear_ratio_vs_bf16"]
+                "memory.max_linear_ratio_vs_bf16", "code.nll_delta", "summarization.nll_delta"]  # NLL: echo + logprobs
     assert all(gates[n]["state"] is None and gates[n]["point"] is not None for n in measured)
     rounds = report["deployment_bench"]["tiers"][-1]["total_speedup_rounds"]
     assert gates["throughput.min_speedup"]["judged"] == pytest.approx(rounds["ci95"][0]) and rounds["rounds"] == 2

@@ -24,7 +24,7 @@ from ..sources import ModelSource, resolve_model
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import Chunk, ModelRunner, kv_bytes_per_block
-from .params import EngineInputError, RequestOutput, SamplingParams
+from .params import EngineInputError, RequestOutput, SamplingParams, TokenLogprobs
 from .sampler import sample
 from .scheduler import Scheduler, WorkItem
 from .sequence import Sequence
@@ -267,8 +267,9 @@ class Engine:
         return [final[rid] for rid in ids]
 
     @torch.inference_mode()
-    def score(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
-        """Teacher-forced log-softmax [T, vocab] float32 per sequence: row i is log p(. | tokens[:i+1]).
+    def score(self, token_ids: list[list[int]], top_k: int | None = None) -> list[torch.Tensor] | list[TokenLogprobs]:
+        """Teacher-forced log-softmax [T, vocab] float32 per sequence: row i is log p(. | tokens[:i+1]); with
+        `top_k`, only each row's next-token figure and k best alternatives (TokenLogprobs).
 
         Sequences are packed into steps of max_num_batched_tokens (long ones chunked) over borrowed KV
         blocks that are all released before returning."""
@@ -303,7 +304,10 @@ class Engine:
                     logprobs = self.runner.forward(chunks).log_softmax(dim=-1)
                     offset = 0
                     for seq, n in work:
-                        pieces[index[id(seq)]].append(logprobs[offset:offset + n])
+                        rows = logprobs[offset:offset + n]
+                        pieces[index[id(seq)]].append(rows if top_k is None else
+                                                      TokenLogprobs.of(rows, seq.token_ids, seq.num_computed_tokens,
+                                                                       top_k))
                         offset += n
                         seq.num_computed_tokens += n
                     while first < len(seqs) and seqs[first].num_uncomputed_tokens == 0:
@@ -313,6 +317,8 @@ class Engine:
                 for seq in seqs:
                     if seq.block_table:
                         bm.release(seq)
+        if top_k is not None:
+            return [TokenLogprobs.cat(p) for p in pieces]
         return [torch.cat(p) if len(p) > 1 else p[0] for p in pieces]
 
     def stats(self) -> EngineStats:

@@ -26,6 +26,7 @@ from ..errors import QToolError
 from .driver import EngineDriver, EngineStopped, Overloaded
 from .generation import Generation
 from .guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
+from .logprobs import logprobs_block
 from .metrics import ServerMetrics
 from .protocol import (
     SEED_MAX,
@@ -57,6 +58,8 @@ class ServerState:
         self.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtool-tokenize")
         # The engine thread detokenizes with engine.tokenizer; the event loop tokenizes with its own copy.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtool-score")
+        self.score_tokenizer = copy.deepcopy(engine.tokenizer)
         self.model_name = names[0]
         self.names = set(names)
         self.api_key = api_key
@@ -73,6 +76,15 @@ class ServerState:
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    async def logprobs(self, req: CompletionRequest, prompts: list[list[int]], final: list[Any]) -> list[Any]:
+        """`choices[i].logprobs` for each choice (None unless asked for), computed after generation."""
+        if req.logprobs is None:
+            return [None] * len(final)
+        loop = asyncio.get_running_loop()
+        return [await loop.run_in_executor(self.score_pool, logprobs_block, self.engine, self.score_tokenizer, p,
+                                           f.token_ids, req.logprobs, req.echo)
+                for p, f in zip(prompts, final, strict=True)]
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:
@@ -167,6 +179,7 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
         yield
         state.driver.stop()
         state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        state.score_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="qtoolkit", lifespan=lifespan)
     app.state.qtool = state
@@ -250,8 +263,12 @@ def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
                 return Response(status_code=499)  # nobody is listening
         finally:
             gen.close()
-        choices = [{"index": i, "text": f.text, "logprobs": None, "finish_reason": f.finish_reason}
-                   for i, f in enumerate(gen.final)]
+        sent = [p for p in req.prompts() for _ in range(req.n)]
+        heads = await state.off_loop(lambda: [(p if isinstance(p, str) else state.tokenizer.decode(p))
+                                              if req.echo else "" for p in sent])
+        logprobs = await state.logprobs(req, gen.prompts, gen.final)
+        choices = [{"index": i, "text": head + f.text, "logprobs": lp, "finish_reason": f.finish_reason}
+                   for i, (head, f, lp) in enumerate(zip(heads, gen.final, logprobs, strict=True))]
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
                              "choices": choices,
                              "usage": usage_block(gen.num_prompt_tokens, gen.num_completion_tokens,

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 # Bounds on every field whose size costs engine time: the body limit alone does not bound per-token work
 # (100,000 one-character stop strings fit in 1 MB and are scanned on every token of the sequence).
@@ -20,6 +20,7 @@ MAX_STOP_STRINGS = 32  # the code eval sends 6; vLLM sets no bound
 MAX_STOP_CHARS = 256
 MAX_PROMPTS = 256  # prompts in one /v1/completions batch
 MAX_MESSAGES = 1024
+MAX_LOGPROBS = 20  # top alternatives per token: OpenAI's and vLLM's cap
 SEED_MAX = 2**63 - 1  # torch.Generator seeds are 64-bit; n choices use seed + i, wrapped into this range
 
 
@@ -54,15 +55,7 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    logprobs: Any = None
     best_of: int | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        if v not in (None, False, 0):
-            raise ValueError("logprobs are not supported by this server: leave the field out")
-        return v
 
     @field_validator("best_of")
     @classmethod
@@ -95,14 +88,15 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, gt=0)  # OpenAI's default for completions
-    echo: bool = False
+    echo: bool = False  # the prompt comes back before the completion (and in logprobs), as in OpenAI's API
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
     suffix: str | None = None
 
-    @field_validator("echo")
+    @field_validator("echo", "logprobs")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported: leave the field out")
+    def _not_streamed(cls, v: Any, info: ValidationInfo) -> Any:
+        if v not in (None, False) and info.data.get("stream"):
+            raise ValueError(f"{info.field_name} is answered once the completion ends: set stream to false")
         return v
 
     @field_validator("suffix")
@@ -145,8 +139,16 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    logprobs: Any = None
     max_tokens: int | None = Field(None, gt=0)  # None: the rest of the context, as vLLM does
     max_completion_tokens: int | None = Field(None, gt=0)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: Any) -> Any:
+        if v not in (None, False, 0):
+            raise ValueError("chat logprobs are not supported by this server: use /v1/completions with logprobs")
+        return v
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
