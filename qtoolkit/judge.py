@@ -6,6 +6,7 @@ tier; memory gates the quantize report's totals.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,18 @@ class Gate:
                    j.ci_method, j.ci_coverage)
     state: str | None = None  # "not measurable": the deployment cannot give the figure (an INCONCLUSIVE gate)
 
+
+
+def undecided_and_failed(policy: Policy, evals: dict[str, Any] | None,
+                         skip: Callable[[Gate], bool] = lambda g: False) -> tuple[list[str], list[str]]:
+    """After one look of the sequential draw (qtoolkit/sequential.py): the required quality gates still
+    INCONCLUSIVE or without evidence, and those that failed. `skip` leaves out gates that more items cannot
+    decide (a figure an endpoint does not give)."""
+    quality = [g for g in evaluate_gates(policy, evals, None, None)
+               if g.name.split(".")[0] in policy.tasks and not skip(g)]
+    undecided = (verdicts.INCONCLUSIVE, verdicts.NO_EVIDENCE)
+    return ([g.name for g in quality if g.required and g.verdict in undecided],
+            [g.name for g in quality if g.verdict == verdicts.FAIL])
 
 
 def evaluate_gates(policy: Policy, evals: dict[str, Any] | None, ablation: dict[str, Any] | None,

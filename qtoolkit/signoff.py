@@ -23,7 +23,7 @@ from .evals.custom import custom_tasks
 from .evals.runner import EvalConfig, evaluate
 from .evals.sandbox import require
 from .io import write_json
-from .judge import Gate, evaluate_gates
+from .judge import Gate, evaluate_gates, undecided_and_failed
 from .model.llama import ModelConfig
 from .policy import Policy, load_policy
 from .provenance import provenance
@@ -144,11 +144,7 @@ class _Run:
 
         def judge() -> tuple[list[str], list[str]]:
             evals = _load(out / "eval.json")
-            judged = custom_signoff.gate_policy(policy, evals, cfg.data)
-            quality = [g for g in evaluate_gates(judged, evals, None, None) if g.name.split(".")[0] in judged.tasks]
-            undecided = (verdicts.INCONCLUSIVE, verdicts.NO_EVIDENCE)
-            return ([g.name for g in quality if g.required and g.verdict in undecided],
-                    [g.name for g in quality if g.verdict == verdicts.FAIL])
+            return undecided_and_failed(custom_signoff.gate_policy(policy, evals, cfg.data), evals)
 
         resume = self.runner.interrupted("eval", inputs)
 

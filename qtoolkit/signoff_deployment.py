@@ -24,11 +24,12 @@ from .deployment_bench import bench_deployments, throughput_table
 from .errors import QToolError
 from .evals.summary import TaskSummary
 from .io import write_json
-from .judge import Gate, evaluate_gates
+from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .progress import status
 from .provenance import provenance
 from .report import write_reports
+from .sequential import describe, draw_until_decisive
 from .signoff_steps import SignoffConfig, StepRunner
 from .sources import resolve_model
 
@@ -90,6 +91,8 @@ def _checkpoint_report(dep: Deployment) -> dict[str, Any] | None:
 def signoff_deployments(cfg: SignoffConfig) -> dict[str, Any]:
     if cfg.limit <= 0 or cfg.rounds <= 0:
         raise QToolError(f"--limit and --rounds must be positive, got {cfg.limit} and {cfg.rounds}")
+    if cfg.max_items is not None and cfg.max_items < cfg.limit:
+        raise QToolError(f"--max-items ({cfg.max_items}) must be at least --limit ({cfg.limit})")
     policy = load_policy(cfg.policy)
     deps = deployments(cfg)
     sources = {role: resolve_model(d.local) for role, d in deps.items()}  # tokenizers: bad input fails here
@@ -106,14 +109,8 @@ def signoff_deployments(cfg: SignoffConfig) -> dict[str, Any]:
     quant = _checkpoint_report(deps["candidate"])
     results["checkpoint"] = {"status": "ok", "note": "quantize_report.json of --model" if quant else
                              "--model has no quantize_report.json"}
-    eval_inputs = {"served": served, "tokenizers": {r: s.sha256 for r, s in sources.items()}, "tasks": tasks,
-                   "limit": cfg.limit, "seed": cfg.seed}
-    resume = steps.interrupted("eval", eval_inputs)
-    results["eval"] = steps.run("eval", eval_inputs, out / "eval.json", lambda: evaluate(EvalConfig(
-        model=cfg.model, baseline=deps["baseline"].local, tasks=tasks, output=str(out / "eval.json"),
-        limit=cfg.limit, endpoint=infos["candidate"].url, baseline_endpoint=infos["baseline"].url, seed=cfg.seed,
-        overwrite=not resume, model_id=infos["candidate"].model_id, baseline_model_id=infos["baseline"].model_id,
-        task_options={"allow_weak_sandbox": cfg.allow_weak_sandbox, "custom_data": custom_tasks(cfg.data)})))
+    results["eval"] = _eval_step(cfg, policy, deps, infos, steps, tasks,
+                                 {"served": served, "tokenizers": {r: s.sha256 for r, s in sources.items()}})
     bench_kw = {"concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
                 "mean_output_tokens": cfg.mean_output_tokens, "max_output_tokens": 2 * cfg.mean_output_tokens,
                 "seed": cfg.seed, "rounds": cfg.rounds}
@@ -131,6 +128,37 @@ def signoff_deployments(cfg: SignoffConfig) -> dict[str, Any]:
         return _decide_and_write(cfg, policy, infos, results, gates, evals, table, quant)
     finally:
         steps.lock.release()  # the folder is free again for the next run in this process
+
+
+def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], infos: dict[str, EndpointInfo],
+               steps: StepRunner, tasks: str, identity: dict[str, Any]) -> dict[str, Any]:
+    """Both endpoints scored paired; as in the local sign-off, while a measurable quality gate is undecided and
+    none failed, the undecided tasks draw more items up to --max-items (qtoolkit/sequential.py)."""
+    out = Path(cfg.output)
+    inputs = {**identity, "tasks": tasks, "limit": cfg.limit, "seed": cfg.seed}
+    if cfg.max_items and cfg.max_items > cfg.limit:  # how many items get drawn depends on the quality bounds
+        inputs |= {"max_items": cfg.max_items, "quality_bounds": policy.model_dump()["tasks"]}
+
+    def run(items: int, overwrite: bool, only: list[str] | None) -> None:
+        evaluate(EvalConfig(
+            model=cfg.model, baseline=deps["baseline"].local, tasks=",".join(only) if only else tasks,
+            output=str(out / "eval.json"), limit=items, endpoint=infos["candidate"].url,
+            baseline_endpoint=infos["baseline"].url, seed=cfg.seed, overwrite=overwrite,
+            model_id=infos["candidate"].model_id, baseline_model_id=infos["baseline"].model_id,
+            task_options={"allow_weak_sandbox": cfg.allow_weak_sandbox, "custom_data": custom_tasks(cfg.data)}))
+
+    def judge() -> tuple[list[str], list[str]]:
+        evals = _load(out / "eval.json")
+        return undecided_and_failed(custom_signoff.gate_policy(policy, evals, cfg.data), evals,
+                                    skip=lambda g: _unmeasurable_gate(g, evals, None) is not None)
+
+    resume = steps.interrupted("eval", inputs)
+
+    def do_eval() -> None:
+        looks = draw_until_decisive(run, judge, cfg.limit, cfg.max_items, resume=resume)
+        write_json(out / "sequential.json", describe(looks, cfg.max_items))
+
+    return steps.run("eval", inputs, out / "eval.json", do_eval)
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -161,6 +189,7 @@ def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, Endpo
                      policy={"name": policy.name, "path": policy.source}),
         "verdict": verdict,
         "reasons": reasons,
+        "reading": verdicts.reading(gates, evals, _load(Path(cfg.output) / "sequential.json") if evals else None),
         # the recipe the served checkpoint was made with, as its quantize_report.json says
         "config": {**asdict(cfg), "recipe": cfg.recipe or ((quant or {}).get("recipe") or {}).get("name")},
         "policy": policy.model_dump(),

@@ -69,7 +69,7 @@ def run(endpoints, int4_dir, tiny_model_dir, tmp_path_factory):
     with env(**ROLE_ENV):
         code = main(["signoff", "--candidate-endpoint", endpoints["candidate"], "--baseline-endpoint",
                      endpoints["baseline"], "--model", str(int4_dir), "--baseline", str(tiny_model_dir),
-                     "--limit", "2", *LOAD, "--rounds", "2", "--output", str(out)])
+                     "--limit", "2", "--max-items", "2", *LOAD, "--rounds", "2", "--output", str(out)])
     return code, out, json.loads((out / "report.json").read_text())
 
 
@@ -140,6 +140,31 @@ def test_bench_tiers_equal_standalone_bench_serve(run, endpoints, role, tmp_path
     for a, b in zip(alone["tiers"], inside["tiers"], strict=True):
         assert a["concurrency"] == b["concurrency"]
         assert {k: a["results"]["endpoint"][k] for k in keys} == {k: b["results"][role][k] for k in keys}
+
+
+def test_an_undecided_gate_draws_more_items_through_the_endpoints(endpoints, int4_dir, tiny_model_dir, tmp_path):
+    """As the local sign-off does: a required gate without evidence (random weights solve nothing) draws the
+    next look's items, up to --max-items, reusing the first look's."""
+    policy = tmp_path / "code-only.yaml"
+    policy.write_text("version: 1\nname: code-only\ntasks:\n  code:\n    pass_at_1_drop: {max: 0.15}\n")
+    out = tmp_path / "run"
+    with env(**ROLE_ENV):
+        code = main(["signoff", "--candidate-endpoint", endpoints["candidate"], "--baseline-endpoint",
+                     endpoints["baseline"], "--model", str(int4_dir), "--baseline", str(tiny_model_dir),
+                     "--policy", str(policy), "--limit", "1", "--max-items", "2", *LOAD, "--rounds", "2",
+                     "--output", str(out)])
+    report = json.loads((out / "report.json").read_text())
+    looks = json.loads((out / "sequential.json").read_text())["looks"]
+    assert [x["items"] for x in looks] == [1, 2] and looks[-1]["undecided"] == ["code.pass_at_1_drop"]
+    assert report["verdict"] == "INCONCLUSIVE" and code == 3
+    assert sorted(json.loads((out / "eval.json").read_text())["tasks"]["code"]["records"]) == \
+        ["HumanEval/0", "HumanEval/1"]
+    assert any(line.startswith("Sample size: 1 -> 2 items over 2 look(s)") for line in report["reading"])
+    with env(**ROLE_ENV):
+        assert main(["signoff", "--candidate-endpoint", endpoints["candidate"], "--baseline-endpoint",
+                     endpoints["baseline"], "--model", str(int4_dir), "--limit", "4", "--max-items", "2",
+                     "--output", str(tmp_path / "never")]) == 2
+    assert not (tmp_path / "never").exists()
 
 
 def test_keys_from_the_environment_appear_in_no_output_file(run, tmp_path):

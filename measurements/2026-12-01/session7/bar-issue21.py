@@ -1,7 +1,8 @@
 """Issue 21's bar, tried as a new user would: `qtool signoff` against two endpoints served by `qtool serve`
 (baseline: the default model; candidate: its INT4 quantization, argv[1], made with
 `qtool quantize --model default --recipe int4-rtn --output DIR`), each behind its own API key given through the
-environment. Small on purpose (shared 2-core machine): --limit 2 --max-items 2, tiers 1,2 of 2 requests, 2 rounds.
+environment. Sizes: the sign-off's defaults made explicit (--limit 8, tiers 1,8 of 16 requests, 5 rounds) and the
+shipped `deployment` policy; BAR21_SMALL=1 runs the 2-item, 2-round smoke size instead (a loaded machine).
 
 Run from the repository root:
   QTOOLKIT_SRC=$PWD python3 measurements/2026-12-01/session7/bar-issue21.py /tmp/int4 /tmp/bar21
@@ -18,9 +19,12 @@ import time
 
 from qtoolkit.server.process import free_port
 
-OUT = pathlib.Path(__file__).with_suffix(".json")
+OUT = pathlib.Path(__file__).with_name("bar-issue21" + ("-small" if os.environ.get("BAR21_SMALL") == "1" else "")
+                                       + ".json")
 KEYS = {"candidate": "cand-bar21-5ecret", "baseline": "base-bar21-5ecret"}
-SMALL = ["--limit", "2", "--max-items", "2", "--concurrency", "1,2", "--num-requests", "2", "--rounds", "2"]
+SMALL_RUN = os.environ.get("BAR21_SMALL") == "1"
+LIMIT, TIERS, REQUESTS, ROUNDS = ("2", "1,2", "2", "2") if SMALL_RUN else ("8", "1,8", "16", "5")
+SMALL = ["--limit", LIMIT, "--concurrency", TIERS, "--num-requests", REQUESTS, "--rounds", ROUNDS]
 
 
 def qtool(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -85,13 +89,13 @@ def main() -> None:
             "not_measurable": [x["key"] for x in report["not_measurable"]],
             "md_ablation_heading": [ln for ln in md.splitlines() if ln.startswith("## Ablation")],
         }
-        # standalone qtool eval (twice: does the deployment itself repeat?) and qtool bench serve, same endpoints
+        # standalone qtool eval (twice on the smoke size: does the deployment itself repeat?) and qtool bench serve
         alone = []
-        for i in (1, 2):
+        for i in (1, 2) if SMALL_RUN else (1,):
             ev = work / f"eval-{i}.json"
             ev.unlink(missing_ok=True)
             p = qtool("eval", "--model", cand_dir, "--baseline", "default", "--endpoint", urls["candidate"],
-                      "--baseline-endpoint", urls["baseline"], "--task", "code,summarization", "--limit", "2",
+                      "--baseline-endpoint", urls["baseline"], "--task", "code,summarization", "--limit", LIMIT,
                       "--output", str(ev), env=role_env)
             alone.append(json.loads(ev.read_text()) if p.returncode == 0 else {"error": p.stderr[-300:]})
         inside_eval = json.loads((out / "eval.json").read_text())
@@ -107,7 +111,8 @@ def main() -> None:
             "summaries_equal_to_signoff": [{t: a.get("tasks", {}).get(t, {}).get("summary") == report["eval"][t]["summary"]
                                             for t in ("code", "summarization")} for a in alone],
             "generations_differing_from_signoff": [differing(a, inside_eval) if "tasks" in a else None for a in alone],
-            "generations_differing_run1_vs_run2": differing(*alone) if all("tasks" in a for a in alone) else None}
+            "generations_differing_run1_vs_run2": differing(*alone) if len(alone) == 2 and all(
+                "tasks" in a for a in alone) else None}
         inside = json.loads((out / "bench.json").read_text())
         keys = ("num_requests", "completed", "failed", "prompt_tokens", "output_tokens")
         res["standalone_bench"] = {}
@@ -115,7 +120,7 @@ def main() -> None:
             bj = work / f"bench-{role}.json"
             bj.unlink(missing_ok=True)
             p = qtool("bench", "serve", "--endpoint", urls[role], "--model", report["deployments"][role]["model_id"],
-                      "--concurrency", "1,2", "--num-requests", "2", "--mean-output-tokens", "48",
+                      "--concurrency", TIERS, "--num-requests", REQUESTS, "--mean-output-tokens", "48",
                       "--max-output-tokens", "96", "--output", str(bj),
                       env={"QTOOLKIT_API_KEY": KEYS[role]})
             alone = json.loads(bj.read_text()) if p.returncode == 0 else {"tiers": []}
@@ -137,8 +142,8 @@ def main() -> None:
             proc.wait(30)
     r = res["report"]
     res["bar"] = {
-        "decides": r["verdict"] in ("PASS", "FAIL", "INCONCLUSIVE")
-        and res["signoff"]["exit_code"] == {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}[r["verdict"]],
+        "decides": r["verdict"] in ("PASS", "FAIL")
+        and res["signoff"]["exit_code"] == {"PASS": 0, "FAIL": 1}[r["verdict"]],
         "bench_tiers_name_the_endpoints": all(t["candidate"] == servers["candidate"][1]
                                               and t["baseline"] == servers["baseline"][1]
                                               for t in r["bench_tier_endpoints"]),
