@@ -142,9 +142,17 @@ def _write_converted(gguf: Path, digest: str, tmp: Path) -> None:
     status(f"converting {gguf.name} to safetensors (once; cached in {tmp.parent})")
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    except Exception as e:  # transformers raises many types for unreadable GGUFs
-        raise ModelSourceError(f"cannot load {gguf} as a GGUF model ({type(e).__name__}: {e})") from None
+        model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                           output_loading_info=True)
+    except Exception as e:  # transformers raises many types for unreadable GGUFs (multi-line size mismatches)
+        why = " ".join(str(e).split())
+        raise ModelSourceError(f"cannot load {gguf} as a GGUF model ({type(e).__name__}: {why[:400]})") from None
+    # transformers' GGUF reader initialises at random what its mapping does not reach (Mixtral's experts in a
+    # `llama` GGUF): such a model is refused, never converted
+    if missing := sorted(info.get("missing_keys") or ()):
+        raise ModelSourceError(
+            f"cannot load {gguf}: transformers' GGUF reader does not map {len(missing)} of its weights (e.g. "
+            f"{missing[0]}) for architecture {model.config.model_type!r}: convert the Hugging Face folder instead")
     # The weights are now plain fp32: drop the GGUF marker so loaders treat the folder as unquantized.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
