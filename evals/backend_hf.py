@@ -77,9 +77,13 @@ class _StopInCompletion(StoppingCriteria):
 
     def __init__(self, tokenizer: Any, stop: list[str], prompt_len: int):
         self.tokenizer, self.stop, self.prompt_len = tokenizer, list(stop), prompt_len
+        # a stop that ends at the newest token lies within its last len(stop) tokens (each token is >= 1
+        # character); transformers keeps a stopped row stopped, so only that tail is decoded each step
+        self.tail = max(len(s) for s in self.stop) + 1
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: Any) -> torch.Tensor:
-        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:], skip_special_tokens=True)
+        start = max(self.prompt_len, input_ids.shape[1] - self.tail)
+        texts = self.tokenizer.batch_decode(input_ids[:, start:], skip_special_tokens=True)
         return torch.tensor([any(s in t for s in self.stop) for t in texts], device=input_ids.device)
 
 
