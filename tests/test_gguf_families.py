@@ -1,135 +1,119 @@
 """GGUF files of every engine family, written from tiny random models as llama.cpp writes them
-(tests/gguf_files.py), loaded as a user loads one (`--model FILE.gguf`): qtoolkit's greedy tokens equal
-transformers' greedy `generate` on the model transformers reads from the same file, and for F32 files the
-original model's; what transformers' GGUF reader cannot map is refused in one line, or (Mistral's window)
-lost as the README says."""
+(tests/gguf_files.py), loaded as a user loads one (`qtool generate --model FILE.gguf --temperature 0`): the text
+equals transformers' greedy `generate` on the original model (its own config) holding the weights the file's
+blocks dequantize to, and for F32 files the original weights exactly. What transformers' GGUF reader cannot
+carry (Mixtral's experts) is refused in one line. The fast tests check qtoolkit/gguf_config.py's reading."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_files import build_model, llama_quantize, write_gguf
+from gguf_files import BLOCKS, FAMILIES, build_model, write_case, write_gguf
 
 from qtoolkit.cli import main
-from qtoolkit.engine import Engine, SamplingParams
 from qtoolkit.errors import ModelSourceError
+from qtoolkit.gguf_config import _llama_cpp_factors, gguf_configs, llama3_rope
+from qtoolkit.model.llama import rope_inv_freq
 from qtoolkit.sources import cache_dir, resolve_model
 
-SHORT = "The quick brown fox"  # 4 tokens + 8 new: inside every window below
+SHORT = "The quick brown fox"  # inside every window below
 LONG = ("def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n\nclass Stack:\n"
-        "    def __init__(self):\n        self.items = []")  # 44 tokens: past every window
+        "    def __init__(self):\n        self.items = []")  # past every window (16 for Mistral, 12 for Gemma 3)
 NEW = 8
-# Config fields transformers 5.17's GGUF reader does not read are set to the values it falls back to, so the file
-# describes the whole model (real Qwen3 / Qwen3-MoE models have these values). Gemma 3 is not here: transformers'
-# Gemma tokenizer converter needs SentencePiece scores, which the shared (BPE) tokenizer has none of.
-CASES = {  # id -> (family, config overrides, block type)
-    "llama": ("llama3", {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, Q.F32),
-    "qwen3": ("qwen3", {"head_dim": 128}, Q.F32),
-    "qwen3-q8_0": ("qwen3", {"head_dim": 128}, Q.Q8_0),
-    "qwen3_moe": ("qwen3_moe", {"moe_intermediate_size": 768, "norm_topk_prob": True, "mlp_only_layers": []},
-                  Q.F32),
-}
 
 
-@pytest.fixture
-def cache(tmp_path):
-    """Where the GGUF files go; their conversions land in the qtoolkit cache as a user's do (a private
-    QTOOLKIT_CACHE would also rebuild the engine's C++ ops, minutes, in every test)."""
-    return tmp_path
+def reference_texts(model, src) -> list[str]:
+    """transformers' greedy text on the original model's config with the converted (dequantized) weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ref = AutoModelForCausalLM.from_pretrained(src.path, config=model.config, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(src.path)
+    out = []
+    for prompt in (SHORT, LONG):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = ref.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=src.config["eos_token_id"],
+                               pad_token_id=src.config["eos_token_id"])
+        out.append(tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True))
+    return out, ref
 
 
-def hf_greedy(model, tok, prompt: str, to_eos: bool = False) -> list[int]:
-    ids = tok(prompt, return_tensors="pt").input_ids
-    least = 0 if to_eos else NEW
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=least, do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
-
-
-def engine_greedy(folder, prompts: list[str]) -> list[list[int]]:
-    engine = Engine(str(folder), kv_cache_memory=8 << 20, block_size=4)
-    params = [SamplingParams(max_tokens=NEW, ignore_eos=True) for _ in prompts]
-    return [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
-
-
-def from_gguf(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-
-
-@pytest.mark.slow  # about a minute a case: transformers rebuilds the 49k-token tokenizer from each file
-@pytest.mark.parametrize("case", list(CASES))
-def test_gguf_greedy_equals_transformers_reading_the_same_file(case, cache, tokenizer_dir):
-    family, overrides, qtype = CASES[case]
-    model, tok = build_model(family, tokenizer_dir, **overrides)
-    path = write_gguf(model, cache / f"{case}.gguf", qtype)
-    src = resolve_model(path)
-    assert src.kind == "gguf" and src.config["model_type"] == model.config.model_type
-    hf = from_gguf(path)
-    got = engine_greedy(src.path, [SHORT, LONG])
-    assert got == [hf_greedy(hf, tok, p) for p in (SHORT, LONG)], case
-    if qtype == Q.F32:  # the F32 file holds the model exactly: the original's tokens too
-        assert got == [hf_greedy(model, tok, p) for p in (SHORT, LONG)], case
-
-
-@pytest.mark.slow
-def test_qtool_generate_on_a_q8_0_gguf_through_the_cli(cache, tokenizer_dir, capsys):
-    model, tok = build_model("qwen3", tokenizer_dir, head_dim=128)
-    path = write_gguf(model, cache / "qwen3-q8.gguf", Q.Q8_0)
-    hf = from_gguf(path)
+def cli_texts(path, capsys) -> list[str]:
     assert main(["generate", "--model", str(path), "--prompt", SHORT, "--prompt", LONG, "--temperature", "0",
                  "--max-tokens", str(NEW), "--kv-cache-memory", "8MiB"]) == 0
     texts = re.split(r"^=== \[\d+\] \(.*\)\n", capsys.readouterr().out, flags=re.M)[1:]
-    want = [tok.decode(hf_greedy(hf, tok, p, to_eos=True), skip_special_tokens=True) for p in (SHORT, LONG)]
-    assert [t.removesuffix("\n") for t in texts] == want
+    return [t.removesuffix("\n") for t in texts]
 
 
-@pytest.mark.slow
-def test_mistral_gguf_loads_as_llama_and_its_window_is_lost(cache, tokenizer_dir):
-    """llama.cpp writes Mistral as `llama` with no window key transformers reads: the file loads as a LLaMA that
-    attends to every position, as transformers runs it; within the window it is the original model."""
-    model, tok = build_model("mistral", tokenizer_dir)  # sliding_window 16
-    assert model.config.sliding_window == 16
-    path = write_gguf(model, cache / "mistral.gguf", Q.F32, name="Mistral tiny")
+@pytest.mark.slow  # seconds a case: the files carry a 2048-token vocabulary
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gguf_generate_equals_transformers_on_the_original_model(family, block, tmp_path, tokenizer_dir, capsys):
+    if block == "Q4_K_M":
+        pytest.importorskip("llama_cpp")
+    model, path, kinds = write_case(family, block, tmp_path, tokenizer_dir)
+    if block == "Q4_K_M":
+        assert {"Q4_K", "Q6_K"} <= kinds, kinds
     src = resolve_model(path)
-    assert src.config["model_type"] == "llama" and not src.config.get("sliding_window")
-    hf = from_gguf(path)
-    got = engine_greedy(src.path, [SHORT, LONG])
-    assert got == [hf_greedy(hf, tok, p) for p in (SHORT, LONG)]
-    assert got[0] == hf_greedy(model, tok, SHORT)  # 12 positions: the window never binds
+    assert src.kind == "gguf" and src.config["model_type"] == model.config.model_type
+    want, ref = reference_texts(model, src)
+    if block == "F32":  # the file holds the model exactly
+        orig = model.state_dict()
+        assert all(torch.equal(v, orig[k]) for k, v in ref.state_dict().items()), family
+    assert cli_texts(path, capsys) == want, (family, block)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family, overrides, lost", [
-    ("mixtral", {}, "experts"),  # llama arch with ffn_*_exps: transformers builds a dense LLaMA
-    ("qwen3", {}, "head_dim"),  # head_dim 32 != Qwen3Config's 128: qwen3's mapping reads no key_length
-    ("qwen3_moe", {"norm_topk_prob": True, "mlp_only_layers": []}, "moe_intermediate_size"),  # 32, read as 768
+@pytest.mark.parametrize("params", [  # many, one and no frequencies in the smoothed band
+    {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 1.5, "original_max_position_embeddings": 300},
 ])
-def test_a_gguf_transformers_cannot_map_is_refused_in_one_line(family, overrides, lost, cache, tokenizer_dir,
-                                                               capsys):
-    model, _ = build_model(family, tokenizer_dir, **overrides)
-    path = write_gguf(model, cache / f"refused-{family}.gguf", Q.F32)
-    with pytest.raises(ModelSourceError) as err:
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_llama3_rope_is_recovered_from_llama_cpps_rope_freqs(params, dim):
+    params = {"rope_type": "llama3", "rope_theta": 500000.0, **params}
+    factors = _llama_cpp_factors(params, dim)
+    got = llama3_rope(factors, 500000.0, dim, None)
+    assert isinstance(got["original_max_position_embeddings"], int)
+    want = rope_inv_freq(dim, 500000.0, params)
+    assert torch.allclose(rope_inv_freq(dim, 500000.0, got), want, rtol=1e-6, atol=0)
+    stated = llama3_rope(factors, 500000.0, dim, params["original_max_position_embeddings"])
+    assert torch.allclose(rope_inv_freq(dim, 500000.0, stated), want, rtol=1e-6, atol=0)
+    if ((factors > 1 + 1e-5) & (factors < params["factor"] - 1e-5)).sum() >= 2:  # the band pins the parameters
+        assert math.isclose(stated["low_freq_factor"], 1.0, rel_tol=1e-6)
+        assert math.isclose(stated["high_freq_factor"], params["high_freq_factor"], rel_tol=1e-6)
+
+
+def test_rope_freqs_that_are_not_llama3_are_refused():
+    with pytest.raises(ValueError, match="not a Llama 3 rope"):
+        llama3_rope(torch.linspace(1.0, 8.0, 32).numpy(), 500000.0, 64, None)
+
+
+def test_gguf_config_reads_what_transformers_drops(tmp_path, tokenizer_dir):
+    """transformers 5.17's key table reads Qwen3-MoE's head_dim as 128 and experts as 768 wide, and no Mistral
+    window, no Llama 3 rope: qtoolkit reads them from the file."""
+    moe, _ = build_model("qwen3_moe", tokenizer_dir, **FAMILIES["qwen3_moe"])
+    cfg = gguf_configs(write_gguf(moe, tmp_path / "moe.gguf")).load
+    assert (cfg.head_dim, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok) == (32, 32, 4, 2)
+    mistral, _ = build_model("mistral", tokenizer_dir)
+    configs = gguf_configs(write_gguf(mistral, tmp_path / "mistral.gguf"))
+    assert configs.load.model_type == "llama"
+    assert (configs.save.model_type, configs.save.sliding_window) == ("mistral", 16)
+    llama3, _ = build_model("llama3", tokenizer_dir)
+    rope = gguf_configs(write_gguf(llama3, tmp_path / "llama3.gguf")).load.rope_parameters
+    assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0
+
+
+def test_a_mixtral_gguf_is_refused_in_one_line(tmp_path, tokenizer_dir, capsys):
+    """llama.cpp writes Mixtral as `llama` with ffn_*_exps tensors, which transformers' reader maps to nothing."""
+    model, _ = build_model("mixtral", tokenizer_dir)
+    path = write_gguf(model, tmp_path / "refused-mixtral.gguf", Q.F32)
+    with pytest.raises(ModelSourceError, match="Mixtral") as err:
         resolve_model(path)
     assert "\n" not in str(err.value) and str(path) in str(err.value), err.value
     assert main(["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "2"]) == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
-    assert not list((cache_dir() / "models").glob(f"refused-{family}-*"))  # nothing half-written is cached
-
-
-@pytest.mark.slow
-def test_k_quant_gguf_from_llama_quantize_equals_transformers(cache, tokenizer_dir):
-    """Q4_K_M written by llama.cpp's llama-quantize (rows of 256, so the K-quant blocks apply) on a Qwen3 file."""
-    pytest.importorskip("llama_cpp")
-    model, tok = build_model("qwen3", tokenizer_dir, head_dim=128, hidden_size=256, intermediate_size=256,
-                             tie_word_embeddings=True)
-    f32 = write_gguf(model, cache / "qwen3-f32.gguf", Q.F32)
-    kinds = llama_quantize(f32, cache / "qwen3-q4_k_m.gguf", "Q4_K_M")
-    assert {"Q4_K", "Q6_K"} <= kinds, kinds
-    path = cache / "qwen3-q4_k_m.gguf"
-    hf = from_gguf(path)
-    assert engine_greedy(resolve_model(path).path, [SHORT, LONG]) == [hf_greedy(hf, tok, p) for p in (SHORT, LONG)]
+    assert not list((cache_dir() / "models").glob("refused-mixtral-*"))  # nothing half-written is cached
