@@ -30,13 +30,7 @@ class GGUFConfigs:
 
 
 def _fields(reader: GGUFReader) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, f in reader.fields.items():
-        if key.startswith(("tokenizer.", "GGUF.")):
-            continue
-        v = f.contents()
-        out[key] = v
-    return out
+    return {key: f.contents() for key, f in reader.fields.items() if not key.startswith(("tokenizer.", "GGUF."))}
 
 
 def _f32(v: float) -> float:
@@ -146,8 +140,6 @@ def gguf_configs(path: Path) -> GGUFConfigs:
     if arch == "llama" and experts:
         raise _refuse(path, f"a `llama` GGUF with {experts} experts (Mixtral): transformers' GGUF reader maps none "
                             "of its ffn_*_exps tensors")
-    if (eps := d.get("rms_norm_eps")) is not None:
-        d["rms_norm_eps"] = _f32(eps)
     if (head_dim := get("attention.key_length")) is not None:
         if get("attention.value_length", head_dim) != head_dim:
             raise _refuse(path, "its key and value head sizes differ")

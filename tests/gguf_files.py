@@ -235,8 +235,8 @@ def build_model(family: str, tokenizer_dir: Path, **overrides):
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.mul_(10.0)
+            if p.dim() >= 2 and not (family == "gemma3_text" and "embed_tokens" in pname):
+                p.mul_(10.0)  # (Gemma scales its embeddings by sqrt(hidden) itself: x10 more repeats one token)
             elif "norm" in pname:
                 p.copy_(torch.randn_like(p) * 0.3 + (0.0 if family == "gemma3_text" else 1.0))
     return model, tok
