@@ -26,6 +26,14 @@ LONG = ("def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n\
 NEW = 8
 
 
+@pytest.fixture
+def fresh_cache(tmp_path, tokenizer_dir, monkeypatch):
+    """Conversions into a private cache, so each run converts with today's code (the cache is keyed by the file's
+    hash and these files are the same every run); the engine's C++ ops live elsewhere and are not rebuilt."""
+    monkeypatch.setenv("QTOOLKIT_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
 def reference_texts(model, src) -> list[str]:
     """transformers' greedy text on the original model's config with the converted (dequantized) weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -66,10 +74,10 @@ assert {b for _, b in CELLS} == set(BLOCKS)
 
 @pytest.mark.slow  # seconds a case: the files carry a 2048-token vocabulary
 @pytest.mark.parametrize("family, block", CELLS)
-def test_gguf_generate_equals_transformers_on_the_original_model(family, block, tmp_path, tokenizer_dir, capsys):
+def test_gguf_generate_equals_transformers_on_the_original_model(family, block, fresh_cache, tokenizer_dir, capsys):
     if block == "Q4_K_M":
         pytest.importorskip("llama_cpp")
-    model, path, kinds = write_case(family, block, tmp_path, tokenizer_dir)
+    model, path, kinds = write_case(family, block, fresh_cache, tokenizer_dir)
     if block == "Q4_K_M":
         assert {"Q4_K", "Q6_K"} <= kinds, kinds
     src = resolve_model(path)
@@ -120,10 +128,10 @@ def test_gguf_config_reads_what_transformers_drops(tmp_path, tokenizer_dir):
     assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0
 
 
-def test_a_mixtral_gguf_is_refused_in_one_line(tmp_path, tokenizer_dir, capsys):
+def test_a_mixtral_gguf_is_refused_in_one_line(fresh_cache, tokenizer_dir, capsys):
     """llama.cpp writes Mixtral as `llama` with ffn_*_exps tensors, which transformers' reader maps to nothing."""
     model, _ = build_model("mixtral", tokenizer_dir)
-    path = write_gguf(model, tmp_path / "refused-mixtral.gguf", Q.F32)
+    path = write_gguf(model, fresh_cache / "refused-mixtral.gguf", Q.F32)
     with pytest.raises(ModelSourceError, match="Mixtral") as err:
         resolve_model(path)
     assert "\n" not in str(err.value) and str(path) in str(err.value), err.value

@@ -70,6 +70,7 @@ def main_() -> None:
     tok_dir = resolve_model("default").path
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        os.environ["QTOOLKIT_CACHE"] = str(Path(tmp) / "cache")  # every file converted by today's code
         for family in [f for f in FAMILIES if not ONLY or f in ONLY]:
             for block in BLOCKS:
                 try:
