@@ -144,7 +144,7 @@ def gguf_configs(path: Path) -> GGUFConfigs:
         if get("attention.value_length", head_dim) != head_dim:
             raise _refuse(path, "its key and value head sizes differ")
         d["head_dim"] = int(head_dim)
-    d.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+    d["head_dim"] = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
     if d["model_type"] == "qwen3_moe":  # llama.cpp's qwen3moe has experts in every layer
         d.update(num_experts=int(experts), num_experts_per_tok=int(get("expert_used_count")),
                  moe_intermediate_size=int(get("expert_feed_forward_length")), mlp_only_layers=[],

@@ -187,7 +187,7 @@ def _gemma_tokenizer(w: GGUFWriter, vocab: int) -> None:
 
 
 def write_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
-               name: str = "tiny") -> Path:
+               name: str = "tiny", tokenizer: bool = True) -> Path:
     """Write `model` (a transformers CausalLM) to `path` with its matrices in `qtype` blocks (1-D tensors and
     rows whose length is not a multiple of the block stay F32, as llama.cpp keeps them)."""
     model_type = model.config.model_type
@@ -196,7 +196,9 @@ def write_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantization
     w.add_name(name)
     w.add_file_type(FILE_TYPE[qtype])
     _metadata(w, model.config, arch)
-    if arch == MODEL_ARCH.GEMMA3:
+    if not tokenizer:  # config-only checks: no tokenizer metadata to parse
+        pass
+    elif arch == MODEL_ARCH.GEMMA3:
         _gemma_tokenizer(w, model.config.vocab_size)
     else:
         _copy_tokenizer(w, model.config.vocab_size)
@@ -219,14 +221,21 @@ def write_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantization
     return path
 
 
+@functools.lru_cache(maxsize=2)
+def _tokenizer(tokenizer_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
 def build_model(family: str, tokenizer_dir: Path, **overrides):
     """A tiny random model of `family` from the test suites' config builders (test_families_attn,
     test_families_moe), `overrides` set on its config, weights scaled as those builders scale them."""
     from test_families_attn import _config
     from test_families_moe import family_config
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok = _tokenizer(str(tokenizer_dir))
     cfg = family_config(family, tok) if family in ("qwen3", "qwen3_moe", "mixtral") else _config(family, len(tok), tok)
     # rebuilt from its fields so that derived ones (layer_types from use_sliding_window) follow the overrides
     fields = {k: v for k, v in cfg.to_dict().items() if k != "layer_types"}

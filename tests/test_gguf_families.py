@@ -117,21 +117,21 @@ def test_gguf_config_reads_what_transformers_drops(tmp_path, tokenizer_dir):
     """transformers 5.17's key table reads Qwen3-MoE's head_dim as 128 and experts as 768 wide, and no Mistral
     window, no Llama 3 rope: qtoolkit reads them from the file."""
     moe, _ = build_model("qwen3_moe", tokenizer_dir, **FAMILIES["qwen3_moe"])
-    cfg = gguf_configs(write_gguf(moe, tmp_path / "moe.gguf")).load
+    cfg = gguf_configs(write_gguf(moe, tmp_path / "moe.gguf", tokenizer=False)).load
     assert (cfg.head_dim, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok) == (32, 32, 4, 2)
     mistral, _ = build_model("mistral", tokenizer_dir)
-    configs = gguf_configs(write_gguf(mistral, tmp_path / "mistral.gguf"))
+    configs = gguf_configs(write_gguf(mistral, tmp_path / "mistral.gguf", tokenizer=False))
     assert configs.load.model_type == "llama"
     assert (configs.save.model_type, configs.save.sliding_window) == ("mistral", 16)
     llama3, _ = build_model("llama3", tokenizer_dir)
-    rope = gguf_configs(write_gguf(llama3, tmp_path / "llama3.gguf")).load.rope_parameters
+    rope = gguf_configs(write_gguf(llama3, tmp_path / "llama3.gguf", tokenizer=False)).load.rope_parameters
     assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0
 
 
 def test_a_mixtral_gguf_is_refused_in_one_line(fresh_cache, tokenizer_dir, capsys):
     """llama.cpp writes Mixtral as `llama` with ffn_*_exps tensors, which transformers' reader maps to nothing."""
     model, _ = build_model("mixtral", tokenizer_dir)
-    path = write_gguf(model, fresh_cache / "refused-mixtral.gguf", Q.F32)
+    path = write_gguf(model, fresh_cache / "refused-mixtral.gguf", Q.F32, tokenizer=False)
     with pytest.raises(ModelSourceError, match="Mixtral") as err:
         resolve_model(path)
     assert "\n" not in str(err.value) and str(path) in str(err.value), err.value
