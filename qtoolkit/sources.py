@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .errors import ModelSourceError
+from .gguf_config import gguf_configs
 from .io import atomic_dir, lock_output
 from .progress import status
 from .provenance import file_sha256, folder_sha256
@@ -141,16 +142,30 @@ def convert_once(target: Path, build: Callable[[Path], None]) -> Path:
 def _write_converted(gguf: Path, digest: str, tmp: Path) -> None:
     status(f"converting {gguf.name} to safetensors (once; cached in {tmp.parent})")
     try:
+        configs = gguf_configs(gguf)  # the fields transformers' GGUF key table drops, read from the file
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    except Exception as e:  # transformers raises many types for unreadable GGUFs
-        raise ModelSourceError(f"cannot load {gguf} as a GGUF model ({type(e).__name__}: {e})") from None
+        model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                           config=configs.load, output_loading_info=True)
+    except ModelSourceError:
+        raise
+    except Exception as e:  # transformers raises many types for unreadable GGUFs (multi-line size mismatches)
+        why = " ".join(str(e).split())
+        raise ModelSourceError(f"cannot load {gguf} as a GGUF model ({type(e).__name__}: {why[:400]})") from None
+    # transformers' GGUF reader initialises at random what its mapping does not reach (Mixtral's experts in a
+    # `llama` GGUF): such a model is refused, never converted
+    if missing := sorted(info.get("missing_keys") or ()):
+        raise ModelSourceError(
+            f"cannot load {gguf}: transformers' GGUF reader does not map {len(missing)} of its weights (e.g. "
+            f"{missing[0]}) for architecture {model.config.model_type!r}: convert the Hugging Face folder instead")
     # The weights are now plain fp32: drop the GGUF marker so loaders treat the folder as unquantized.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
     model.config.name_or_path = gguf.stem
     model.save_pretrained(tmp, safe_serialization=True)
+    if configs.save is not configs.load:  # same weights, another model class (a `llama` file that is Mistral)
+        configs.save.name_or_path = gguf.stem
+        configs.save.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / "qtoolkit_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}))
 
