@@ -29,7 +29,10 @@ from pathlib import Path
 def _run(tree: str, args: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        env = {**os.environ, "QTOOLKIT_SRC": tree, "QTOOLKIT_QUIET": "1"}
+        # each tree builds its engine ops into its own folder: a shared one is rebuilt on every switch of tree
+        # (torch's build records the source path), and a lost build race falls back to the slow torch path
+        ext = Path.home() / ".cache" / "qtoolkit" / f"torch_extensions-{Path(tree).resolve().name}"
+        env = {**os.environ, "QTOOLKIT_SRC": tree, "QTOOLKIT_QUIET": "1", "QTOOLKIT_EXT_DIR": str(ext)}
         subprocess.run(["qtool", *args, "--output", str(out)], check=True, env=env)
         return json.loads(out.read_text())
 
