@@ -198,7 +198,8 @@ def test_tests_field_runs_in_the_sandbox_pass_and_fail(tmp_path, tokenizer_dir):
     assert "## Worst regressions: custom:t" in md and "fail/pass" in md and "Write reverse(s)." in md
 
 
-def test_endpoint_candidate_lists_what_it_cannot_score(tiny_model_dir, tmp_path):
+def test_endpoint_candidate_scores_nll_and_lists_kld_as_not_computed(tiny_model_dir, tmp_path):
+    """qtool serve gives echo + logprobs (NLL of the answers) but no full distributions (KLD)."""
     from test_server import make_app, running
 
     f = write_jsonl(tmp_path / "w.jsonl", [{"messages": [{"role": "user", "content": "Hi"}], "reference": "Hello"}])
@@ -208,7 +209,8 @@ def test_endpoint_candidate_lists_what_it_cannot_score(tiny_model_dir, tmp_path)
                                   task_options={"custom_data": {"custom:w": str(f)}, "max_tokens": 3}))
     s = res["tasks"]["custom:w"]["summary"]
     assert s["rougeL"]["items"] == 1 and s["answer_tokens"]["items"] == 1
-    assert s["not_computed"] and "echo" in s["not_computed"][0]
+    assert not s["not_computed"] and s["nll_answer"]["delta"] is not None
+    assert "kld" not in s["text_stats"] and any(x.startswith("kld") for x in s["text_stats"]["not_computed"])
 
 
 def test_bench_serve_replays_the_file_with_measured_lengths(tiny_model_dir, tmp_path):

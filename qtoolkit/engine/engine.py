@@ -24,9 +24,10 @@ from ..sources import ModelSource, resolve_model
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import Chunk, ModelRunner, kv_bytes_per_block
-from .params import EngineInputError, RequestOutput, SamplingParams, TokenLogprobs
+from .params import EngineInputError, RequestOutput, SamplingParams
 from .sampler import sample
 from .scheduler import Scheduler, WorkItem
+from .scoring import TokenLogprobs
 from .sequence import Sequence
 from .speculative import (
     Proposer,
