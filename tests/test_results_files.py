@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from qtoolkit.evals.results import ResultsFile
 from safetensors.torch import save_file
 
 from qtoolkit.errors import ModelSourceError, OutputExistsError
@@ -31,7 +32,7 @@ from qtoolkit.sources import _check_folder, convert_once
 REPO = Path(__file__).resolve().parents[1]
 HOLDER = textwrap.dedent("""
     import sys, time
-    from evals.results import ResultsFile
+    from qtoolkit.evals.results import ResultsFile
     store = ResultsFile(sys.argv[1], inputs={})
     store.begin("t", {"k": 1})
     for i in range(5):
@@ -49,8 +50,6 @@ def test_a_second_writer_fails_at_once_naming_the_holder_and_no_record_is_lost(t
                               env=env)
     try:
         assert holder.stdout.readline().strip() == "ready"
-        from evals.results import ResultsFile
-
         t = time.monotonic()
         with pytest.raises(OutputLockedError, match=f"pid {holder.pid}"):
             ResultsFile(out, inputs={})
@@ -59,7 +58,6 @@ def test_a_second_writer_fails_at_once_naming_the_holder_and_no_record_is_lost(t
         assert holder.wait(60) == 0
     records = json.loads(out.read_text())["tasks"]["t"]["records"]
     assert sorted(records) == [f"a{i}" for i in range(6)]
-    from evals.results import ResultsFile
 
     store = ResultsFile(out, inputs={})  # the lock went with the holder: the next run resumes
     assert len(store.begin("t", {"k": 1})) == 6
