@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, get_tensor_name_map
 
+from qtoolkit.gguf_config import _llama_cpp_factors
 from qtoolkit.sources import default_gguf_path
 
 # transformers model_type -> the llama.cpp architecture convert_hf_to_gguf.py writes it as (Mistral and Mixtral
@@ -85,20 +86,12 @@ def _rope_freqs(cfg, head_dim: int) -> np.ndarray | None:
     rp = _rope(cfg)
     if rp.get("rope_type") != "llama3":
         return None
-    freqs = 1.0 / (rp["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    old, low, high, factor = (rp.get("original_max_position_embeddings", 8192), rp.get("low_freq_factor", 1.0),
-                              rp.get("high_freq_factor", 4.0), rp.get("factor", 8.0))
-    out = []
-    for freq in freqs.tolist():
-        wavelen = 2 * np.pi / freq
-        if wavelen < old / high:
-            out.append(1.0)
-        elif wavelen > old / low:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
+    # the one copy of llama.cpp's formula (qtoolkit.gguf_config), with llama.cpp's defaults for absent fields
+    params = {"rope_theta": rp["rope_theta"],
+              "original_max_position_embeddings": rp.get("original_max_position_embeddings", 8192),
+              "low_freq_factor": rp.get("low_freq_factor", 1.0), "high_freq_factor": rp.get("high_freq_factor", 4.0),
+              "factor": rp.get("factor", 8.0)}
+    return _llama_cpp_factors(params, head_dim).astype(np.float32)
 
 
 def _metadata(w: GGUFWriter, cfg, arch: MODEL_ARCH) -> None:
