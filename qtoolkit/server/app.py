@@ -26,7 +26,7 @@ from ..errors import QToolError
 from .driver import EngineDriver, EngineStopped, Overloaded
 from .generation import Generation
 from .guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
-from .logprobs import logprobs_block
+from .logprobs import logprobs_blocks
 from .metrics import ServerMetrics
 from .protocol import (
     SEED_MAX,
@@ -81,10 +81,9 @@ class ServerState:
         """`choices[i].logprobs` for each choice (None unless asked for), computed after generation."""
         if req.logprobs is None:
             return [None] * len(final)
-        loop = asyncio.get_running_loop()
-        return [await loop.run_in_executor(self.score_pool, logprobs_block, self.engine, self.score_tokenizer, p,
-                                           f.token_ids, req.logprobs, req.echo)
-                for p, f in zip(prompts, final, strict=True)]
+        return await asyncio.get_running_loop().run_in_executor(
+            self.score_pool, logprobs_blocks, self.engine, self.score_tokenizer, prompts,
+            [f.token_ids for f in final], req.logprobs, req.echo)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:
@@ -264,8 +263,8 @@ def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
         finally:
             gen.close()
         sent = [p for p in req.prompts() for _ in range(req.n)]
-        heads = await state.off_loop(lambda: [(p if isinstance(p, str) else state.tokenizer.decode(p))
-                                              if req.echo else "" for p in sent])
+        heads = await state.off_loop(lambda: [p if isinstance(p, str) else state.tokenizer.decode(p)
+                                              for p in sent]) if req.echo else [""] * len(sent)
         logprobs = await state.logprobs(req, gen.prompts, gen.final)
         choices = [{"index": i, "text": head + f.text, "logprobs": lp, "finish_reason": f.finish_reason}
                    for i, (head, f, lp) in enumerate(zip(heads, gen.final, logprobs, strict=True))]

@@ -20,16 +20,20 @@ def token_texts(tokenizer: Any, ids: list[int]) -> list[str]:
     return [tokenizer.decode([t]) for t in ids]
 
 
-def logprobs_block(engine: Any, tok: Any, prompt_ids: list[int], output_ids: list[int], k: int,
-                   echo: bool) -> dict[str, Any]:
-    """`choices[i].logprobs`: tokens, token_logprobs, top_logprobs and text_offset of the returned text."""
-    ids = prompt_ids + output_ids
+def logprobs_blocks(engine: Any, tok: Any, prompts: list[list[int]], outputs: list[list[int]], k: int,
+                    echo: bool) -> list[dict[str, Any]]:
+    """`choices[i].logprobs` of every choice, scored in one Engine.score call (it packs them into steps)."""
     try:
-        (scored,) = engine.score([ids], top_k=k)
+        scored = engine.score([p + o for p, o in zip(prompts, outputs, strict=True)], top_k=k)
     except EngineCapacityError as e:
         raise APIError(503, f"no KV room to compute logprobs now ({e}): retry later", kind="server_error",
                        code="overloaded", headers={"Retry-After": "1"}) from None
-    first = 0 if echo else len(prompt_ids)
+    return [_block(tok, p + o, len(p), s, echo) for p, o, s in zip(prompts, outputs, scored, strict=True)]
+
+
+def _block(tok: Any, ids: list[int], num_prompt: int, scored: Any, echo: bool) -> dict[str, Any]:
+    """Tokens, token_logprobs, top_logprobs and text_offset of the returned text."""
+    first = 0 if echo else num_prompt
     shown = token_texts(tok, ids[first:])
     offsets, at = [], 0
     for text in shown:
