@@ -3,12 +3,14 @@
 Every system decodes the same prompt for the same number of tokens; rounds interleave the systems so drift on a
 shared machine hits all of them alike. Decode tok/s counts the tokens after the first one over the time since the
 first one, so prefill is left out for every system the same way. Peers:
-- `llama.cpp`: llama-cpp-python on the default model's own GGUF (Q4_1 for SmolLM2), when it is installed;
+- `llama.cpp`: llama-cpp-python on the default model's own GGUF (Q4_1 for SmolLM2), when it is installed, in a
+  child process (qtoolkit/peers/), so a crash there is an error line and not the end of qtool;
 - `hf`: transformers `generate` on the same safetensors folder the engine loads (fp32 unless --dtype says).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
@@ -20,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 from .engine import Engine, EngineConfig, SamplingParams
 from .errors import QToolError
+from .peers.llama_cpp import LlamaCppPeer
 
 PROMPT = 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
 
@@ -43,25 +46,11 @@ def engine_decoder(model: str, dtype: str, threads: int) -> tuple[Decoder, dict[
 
 
 def llama_cpp_decoder(gguf: Path, threads: int) -> tuple[Decoder, dict[str, Any]]:
-    try:
-        import llama_cpp
-    except ImportError:
-        raise QToolError("llama.cpp comparison needs llama-cpp-python: pip install llama-cpp-python (it compiles "
-                         "llama.cpp, ~10 min on 2 cores), or drop llama.cpp from --compare") from None
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=1024, n_threads=threads, n_threads_batch=threads,
-                          n_batch=512, verbose=False)
-    prompt = llm.tokenize(PROMPT.encode())
-
-    def run(n: int) -> list[float]:
-        llm.reset()
-        stamps = []
-        for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
-            stamps.append(time.perf_counter())
-            if len(stamps) == n:
-                break
-        return stamps
-
-    return run, {"gguf": str(gguf), "llama_cpp_python": llama_cpp.__version__, "threads": threads}
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise QToolError("llama.cpp comparison needs llama-cpp-python: install the `llamacpp` extra as the README "
+                         "says (it compiles llama.cpp, ~10 min on 2 cores), or drop llama.cpp from --compare")
+    peer = LlamaCppPeer(gguf, threads, PROMPT)
+    return peer.decode, {"gguf": str(gguf), **peer.info, "threads": threads, "process": "child"}
 
 
 def hf_decoder(folder: Path, dtype: str) -> tuple[Decoder, dict[str, Any]]:
