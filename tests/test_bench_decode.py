@@ -4,11 +4,32 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from qtoolkit.cli import main
-from qtoolkit.decode_bench import decode_rate, run_decode_bench
+from qtoolkit.decode_bench import PROMPT, decode_rate, run_decode_bench
+from qtoolkit.peers.child import PeerError
+from qtoolkit.peers.llama_cpp import LlamaCppPeer
+
+# Stand-ins for llama-cpp-python, first on the child's PYTHONPATH: a build that dies on load as a native build does
+# on a CPU that lacks its instructions, and one that never answers.
+BROKEN_PEERS = {
+    "sigill": "import os, signal\nos.kill(os.getpid(), signal.SIGILL)\n",
+    "hang": "import time\ntime.sleep(3600)\n",
+}
+
+
+def broken_llama_cpp(tmp_path: Path, kind: str) -> dict[str, str]:
+    pkg = tmp_path / kind / "llama_cpp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(BROKEN_PEERS[kind])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(pkg.parent), os.environ.get("PYTHONPATH", "")])}
 
 
 def test_decode_rate_leaves_out_the_first_token():
@@ -57,3 +78,37 @@ def test_cli_int4_engine_against_llama_cpp(tmp_path):
     report = json.loads(out.read_text())
     assert report["systems"]["llama.cpp"]["decode_tok_per_s"] > 0
     assert set(report["ratios"]) == {"engine:SmolLM2-135M-Instruct_over_llama.cpp"}
+
+
+def test_crashing_llama_cpp_peer_is_one_error_line_not_a_dead_qtool(tiny_model_dir, tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    env = {**broken_llama_cpp(tmp_path, "sigill"), "QTOOLKIT_NO_CPU_EXT": "1"}
+    out = tmp_path / "decode.json"
+    done = subprocess.run([sys.executable, "-m", "qtoolkit", "-q", "bench", "decode", "--model", str(tiny_model_dir),
+                           "--compare", "llama.cpp", "--gguf", str(gguf), "--tokens", "4", "--rounds", "1",
+                           "--output", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "llama.cpp peer died with SIGILL" in lines[0] and "-DGGML_NATIVE=OFF" in lines[0]
+    assert not out.exists()
+
+
+def test_hanging_llama_cpp_peer_is_stopped_at_its_deadline(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", broken_llama_cpp(tmp_path, "hang")["PYTHONPATH"])
+    monkeypatch.setattr("qtoolkit.peers.llama_cpp.LOAD_TIMEOUT_S", 3.0)
+    start = time.monotonic()
+    with pytest.raises(PeerError, match="did not answer within 3 s while loading"):
+        LlamaCppPeer(tmp_path / "model.gguf", 1, PROMPT)
+    assert time.monotonic() - start < 30
+
+
+def test_peer_that_exits_reports_its_last_line(tmp_path, monkeypatch):
+    pkg = tmp_path / "llama_cpp"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import sys\nsys.stderr.write('cannot open shared object libllama.so\\n')\n"
+                                     "sys.stderr.flush()\nimport os\nos._exit(3)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(PeerError, match="exited with status 3 while loading .*libllama.so"):
+        LlamaCppPeer(tmp_path / "model.gguf", 1, PROMPT)

@@ -50,15 +50,16 @@ def run(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     models = args.model or ["default"]
     systems = {}
+    if "llama.cpp" in peers:  # first: a broken peer build is reported before minutes of engine loading
+        gguf = Path(args.gguf) if args.gguf else default_gguf_path()
+        if not gguf.is_file():
+            raise QToolError(f"--gguf {gguf} does not exist: pass a .gguf file")
+        status("starting llama.cpp in a child process")
+        systems["llama.cpp"] = llama_cpp_decoder(gguf, threads)
     for spec in models:
         status(f"loading {spec} into the engine")
         name = f"engine:{resolve_model(spec).name}"
         systems[name] = engine_decoder(spec, args.dtype, threads)
-    if "llama.cpp" in peers:
-        gguf = Path(args.gguf) if args.gguf else default_gguf_path()
-        if not gguf.is_file():
-            raise QToolError(f"--gguf {gguf} does not exist: pass a .gguf file")
-        systems["llama.cpp"] = llama_cpp_decoder(gguf, threads)
     if "hf" in peers:
         systems["hf"] = hf_decoder(resolve_model(models[0]).path, args.dtype)
     with bar(total=args.rounds * len(systems), desc="decode rounds", unit="run") as progress:
