@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# folder -> the package it installs as (pyproject.toml's package-dir)
+# folder -> the package it installs as (setup.py's ROOTS)
 PACKAGES = {"qtoolkit": "qtoolkit", "evals": "qtoolkit.evals", "kernels": "qtoolkit.kernels"}
 MAX_FUNCTION_LINES = 100
 # split by another change in flight; removed when that change lands

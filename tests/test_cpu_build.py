@@ -39,3 +39,15 @@ def test_a_killed_builds_lock_file_does_not_hang_the_next_load(built_dir):
     finally:
         holder.kill()
         (built_dir / "lock").unlink(missing_ok=True)
+
+
+def test_instruction_set_is_chosen_at_run_time_not_from_the_build_machine():
+    from qtoolkit.kernels.cpu_build import FLAGS
+
+    assert not any(f.startswith(("-march", "-mtune=native")) for f in FLAGS)
+    # a CPU (or VM) that allows no AVX2: torch's run-time check says so and the kernels are not loaded
+    probe = ("import torch; from qtoolkit.kernels.cpu_build import cpu_kernels, engine_ops; "
+             "print(torch.backends.cpu.get_cpu_capability(), cpu_kernels() is None and engine_ops() is None)")
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["DEFAULT", "True"], done.stderr[-1000:]

@@ -102,7 +102,7 @@ def test_installed_qtool_runs_version_help_generate_and_serve(installed, tiny_mo
     helped = subprocess.run([qtool, "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert helped.returncode == 0 and "signoff" in helped.stdout
     gen = subprocess.run([qtool, "generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "4",
-                          "--temperature", "0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          "--temperature", "0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert gen.stdout.strip()
 
