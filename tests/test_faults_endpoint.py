@@ -14,7 +14,9 @@ import pytest
 from fault_proxy import FaultProxy
 from qtoolkit.evals.backend_openai import describe_request, repeatable
 
+from qtoolkit.cli import main
 from qtoolkit.deployment import EndpointError, request
+from qtoolkit.server.process import server_process
 
 
 class _Upstream(BaseHTTPRequestHandler):
@@ -88,3 +90,31 @@ def test_an_endpoint_that_keeps_dropping_is_an_error_after_bounded_tries(upstrea
         post(proxy, GREEDY | {"seed": 7}, retries=3)
     assert time.monotonic() - t < 5 and proxy.count == 3 and not _Upstream.received
     assert "after 3 tries" in str(e.value) and "seed 7" in str(e.value) and str(e.value).count("\n") == 0
+
+
+@pytest.mark.slow  # a `qtool serve` subprocess and three evals through it
+def test_eval_through_an_endpoint_that_drops_requests(tiny_model_dir, tmp_path, capsys):
+    """`qtool eval --base-url`: resets and cut answers on a third of the requests give the same figures as a clean
+    endpoint; an endpoint that drops everything after the probe is one ERROR line naming it and the request."""
+    def evaluate(url: str, out: str) -> int:
+        return main(["eval", "--model", str(tiny_model_dir), "--baseline", str(tiny_model_dir), "--base-url", url,
+                     "--task", "perplexity", "--limit", "2", "--output", str(tmp_path / out)])
+
+    def summary(out: str) -> dict:
+        return json.loads((tmp_path / out).read_text())["tasks"]["perplexity"]["summary"]
+
+    with server_process(str(tiny_model_dir)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        assert evaluate(url, "direct.json") == 0
+        flaky = FaultProxy(port, lambda i: ["pass", "reset", "cut"][i % 3])
+        assert evaluate(flaky.url, "flaky.json") == 0
+        assert {"reset", "cut"} <= set(flaky.actions) and summary("flaky.json") == summary("direct.json")
+        capsys.readouterr()
+        dead = FaultProxy(port, lambda i: "pass" if i == 0 else "reset")  # the probe passes, then nothing does
+        t = time.monotonic()
+        code = evaluate(dead.url, "dead.json")
+        took = time.monotonic() - t
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("qtool: error")]
+    assert code == 2 and len(errors) == 1 and took < 120, (code, errors, took)
+    assert f"the candidate endpoint {dead.url}/v1/completions did not answer after 4 tries" in errors[0]
+    assert "the request: POST a prompt of" in errors[0]

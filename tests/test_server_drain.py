@@ -22,6 +22,7 @@ import pytest
 import uvicorn
 from test_server import TIMEOUT, make_app
 
+from qtoolkit.io import write_json
 from qtoolkit.server.drain import DrainingServer
 from qtoolkit.server.process import _wait_healthy, free_port
 
@@ -126,6 +127,14 @@ def test_sigterm_drains_qtool_serve_and_exits_0(tiny_model_dir):
     assert outcomes[4:] == ["ended"] * 4, outcomes  # the long ones cannot finish in 2 s
     assert "Traceback" not in text and "CancelledError" not in text and " 500" not in text, text[-3000:]
     assert "drained in" in text and "0 KV block(s) in use" in text, text[-2000:]
+    if path := os.environ.get("QTOOLKIT_DRAIN_FIGURES"):
+        write_json(path, {"command": " ".join(cmd[1:]), "streams_in_flight": len(clients),
+                          "max_tokens": [c.max_tokens for c in clients], "signal": "SIGTERM",
+                          "outcomes": outcomes, "complete": outcomes.count("complete"),
+                          "ended_with_error_event": outcomes.count("ended"), "http_500": text.count(" 500 "),
+                          "tracebacks_in_log": text.count("Traceback"), "exit_code": code,
+                          "signal_to_exit_s": round(took, 2), "shutdown_timeout_s": shutdown_timeout,
+                          "log": [ln for ln in text.splitlines() if "qtoolkit.server" in ln]})
 
 
 class Running:
