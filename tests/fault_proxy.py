@@ -82,4 +82,8 @@ class FaultProxy:
         conn.close()
 
     def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked in the other thread
+        except OSError:
+            pass
         self.sock.close()

@@ -16,7 +16,7 @@ from qtoolkit.evals.backend_openai import describe_request, repeatable
 
 from qtoolkit.cli import main
 from qtoolkit.deployment import EndpointError, request
-from qtoolkit.server.process import server_process
+from qtoolkit.server.process import free_port, server_process
 
 
 class _Upstream(BaseHTTPRequestHandler):
@@ -74,12 +74,13 @@ def test_a_sampled_request_the_server_may_have_answered_is_not_sent_again(upstre
     assert "prompt 'def add(a, b):'" in msg and "temperature 0.8" in msg and "not sent again" in msg
 
 
-def test_a_sampled_request_refused_before_it_reached_the_server_is_retried(upstream):
-    proxy = FaultProxy(upstream, lambda i: "pass")
-    proxy.close()  # nothing listens: the connection is refused, so the request never went out
+def test_a_sampled_request_refused_before_it_reached_the_server_is_retried():
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens: refused, so the request never went out
     t = time.monotonic()
-    with pytest.raises(EndpointError, match=r"did not answer after 3 tries \(ConnectError"):
-        post(proxy, SAMPLED, retries=3)
+    with pytest.raises(EndpointError, match=r"did not answer after 3 tries \(ConnectError"), \
+            httpx.Client(timeout=10) as client:
+        request(client, "POST", f"{url}/v1/completions", json=SAMPLED, retries=3, what="the candidate endpoint",
+                fix="start the server", repeatable=repeatable(SAMPLED), describe=describe_request(SAMPLED))
     assert time.monotonic() - t < 5  # 0.5 s + 1 s of backoff
 
 
