@@ -43,8 +43,9 @@ from .protocol import (
     usage_chunk,
 )
 
-RETRY_AFTER_S = 1
 log = logging.getLogger("qtoolkit.server")
+
+RETRY_AFTER_S = 1
 DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 
 

@@ -1,8 +1,8 @@
 """One HTTP request's engine requests (prompts x n choices): launch, stream or collect, and always clean up.
 
 Cleanup is the point of this module: whatever ends a request (finish, client disconnect, cancellation, engine
-failure, server shutdown), `close()` aborts the engine requests still running, which frees their KV blocks, and gives the
-admission slots back. No wait is open-ended: the engine's liveness is checked every second, and a request that
+failure, server shutdown), `close()` aborts the engine requests still running, which frees their KV blocks, and
+gives the admission slots back. No wait is open-ended: the engine's liveness is checked every second, and a request that
 outlives its deadline ends with 504.
 """
 
