@@ -137,3 +137,18 @@ def test_kill_9_at_random_moments_of_a_write_never_leaves_a_partial_file(tmp_pat
     write_json(path, {"version": -1, "records": {}})  # the next writer clears what the killed ones left
     assert leftovers(tmp_path, "eval.json") == []
     assert json.loads(path.read_text())["version"] == -1
+
+
+@pytest.mark.slow  # a quantization in-process and one in a subprocess
+def test_a_checkpoint_past_the_file_size_limit_is_one_line_and_keeps_the_old_checkpoint(tiny_model_dir, tmp_path):
+    out = tmp_path / "int4"
+    assert main(["quantize", "--model", str(tiny_model_dir), "--recipe", "int4-rtn", "--output", str(out),
+                 "--no-verify"]) == 0
+    before = tree_digest(out)
+    proc = subprocess.run([*QTOOL, "quantize", "--model", str(tiny_model_dir), "--recipe", "int4-rtn", "--output",
+                           str(out), "--no-verify", "--overwrite"], capture_output=True, text=True, timeout=900,
+                          preexec_fn=file_size_limit(256 * 1024))  # the weights file is larger
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("qtool:") and "error" in ln]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert f"cannot write {out}: the file-size limit is reached" in errors[0], errors
+    assert tree_digest(out) == before and leftovers(tmp_path, "int4") == []
