@@ -15,8 +15,10 @@ from fault_proxy import FaultProxy
 from qtoolkit.evals.backend_openai import describe_request, repeatable
 
 from qtoolkit.cli import main
-from qtoolkit.deployment import EndpointError, request
+from qtoolkit.deployment import Deployment, EndpointError, EndpointInfo, request
+from qtoolkit.deployment_bench import _measure
 from qtoolkit.server.process import free_port, server_process
+from qtoolkit.workloads import build_workload
 
 
 class _Upstream(BaseHTTPRequestHandler):
@@ -91,6 +93,15 @@ def test_an_endpoint_that_keeps_dropping_is_an_error_after_bounded_tries(upstrea
         post(proxy, GREEDY | {"seed": 7}, retries=3)
     assert time.monotonic() - t < 5 and proxy.count == 3 and not _Upstream.received
     assert "after 3 tries" in str(e.value) and "seed 7" in str(e.value) and str(e.value).count("\n") == 0
+
+
+def test_benchmark_requests_an_endpoint_drops_are_an_error_not_a_throughput(upstream):
+    """The endpoint sign-off's bench: a tier with failed requests would rate the failures; it is an ERROR."""
+    proxy = FaultProxy(upstream, lambda i: "reset")
+    info = EndpointInfo("candidate", proxy.url, "m", ["m"])
+    reqs = build_workload("mixed", 2, seed=0, mean_output_tokens=8, max_output_tokens=16)
+    with pytest.raises(EndpointError, match=f"the candidate endpoint {proxy.url} failed 2 of 2 benchmark requests"):
+        _measure(Deployment("candidate", proxy.url), info, reqs, 2, 0, True)
 
 
 @pytest.mark.slow  # a `qtool serve` subprocess and three evals through it
