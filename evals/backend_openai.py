@@ -34,6 +34,27 @@ class RequestRefused(BackendError):
             self.reason = getattr(response, "text", "")[:160]
 
 
+def repeatable(payload: dict | None) -> bool:
+    """Sent twice, the server answers the same: a read, a greedy request, or a seeded one (OpenAI's default
+    temperature is 1)."""
+    return payload is None or payload.get("temperature", 1.0) == 0 or payload.get("seed") is not None
+
+
+def describe_request(payload: dict | None) -> str | None:
+    """Which request failed, in a few words: its prompt's start and size, and how it samples."""
+    if payload is None:
+        return None
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str):
+        what = f"prompt {prompt[:40]!r}{'...' if len(prompt) > 40 else ''} ({len(prompt)} chars)"
+    elif isinstance(prompt, list):
+        what = f"a prompt of {len(prompt)} token ids"
+    else:
+        what = "a request"
+    knobs = ", ".join(f"{k} {payload[k]}" for k in ("max_tokens", "temperature", "seed", "echo") if k in payload)
+    return f"{what}{f' [{knobs}]' if knobs else ''}"
+
+
 class OpenAIBackend:
     name = "openai"
     full_distributions = False
@@ -61,7 +82,8 @@ class OpenAIBackend:
 
     def _request(self, method: str, path: str, payload: dict | None = None) -> dict:
         r = request(self.client, method, self.url + path, json=payload, retries=self.retries,
-                    what=f"the {self.deployment.role} endpoint", fix="start the server or fix the endpoint URL")
+                    what=f"the {self.deployment.role} endpoint", fix="start the server or fix the endpoint URL",
+                    repeatable=repeatable(payload), describe=describe_request(payload))
         if r.status_code >= 400:
             raise RequestRefused(f"{self.url}{path} refused the request ({r.status_code}: "
                                  f"{r.text[:200]}): check the endpoint serves the model", r)

@@ -81,16 +81,26 @@ def bwrap_command(python_args: list[str], tmp_bytes: int) -> list[str]:
     return [*cmd, exe, "-I", *python_args]
 
 
+def within_hard_limit(kind: int, soft: int, hard: int) -> tuple[int, int]:
+    """(soft, hard) lowered to the hard limit this process already runs under (an operator's `ulimit -f`): a
+    limit cannot be raised past it, and asking to would fail every program's start."""
+    ceiling = resource.getrlimit(kind)[1]
+    if ceiling == resource.RLIM_INFINITY:
+        return soft, hard
+    return min(soft, ceiling), min(hard, ceiling)
+
+
 def rlimits(cpu_s: int, memory_bytes: int, file_bytes: int, open_files: int, processes: int | None):
+    wanted = [(resource.RLIMIT_CPU, cpu_s, cpu_s + 1), (resource.RLIMIT_AS, memory_bytes, memory_bytes),
+              (resource.RLIMIT_FSIZE, file_bytes, file_bytes), (resource.RLIMIT_NOFILE, open_files, open_files),
+              (resource.RLIMIT_CORE, 0, 0)]
+    if processes is not None:
+        wanted.append((resource.RLIMIT_NPROC, processes, processes))
+    limits = [(kind, within_hard_limit(kind, soft, hard)) for kind, soft, hard in wanted]  # decided before fork
+
     def setup() -> None:  # runs between fork and exec: no Python-level locks, no imports
-        rl = resource.setrlimit
-        rl(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-        rl(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-        rl(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
-        rl(resource.RLIMIT_NOFILE, (open_files, open_files))
-        rl(resource.RLIMIT_CORE, (0, 0))
-        if processes is not None:
-            rl(resource.RLIMIT_NPROC, (processes, processes))
+        for kind, pair in limits:
+            resource.setrlimit(kind, pair)
     return setup
 
 

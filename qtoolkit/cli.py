@@ -15,12 +15,15 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
 import textwrap
+import threading
 import traceback
 
 from . import __version__
 from .errors import QToolError
+from .io import no_room
 
 COMMANDS = ["quantize", "generate", "serve", "eval", "diagnose", "signoff", "plot", "train-draft"]
 BENCH_KINDS = ["kernels", "serve", "decode"]
@@ -139,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     configure_output(getattr(args, "quiet", False), getattr(args, "verbose", 0))
+    if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
+        # past a file-size limit (ulimit -f) a write then fails with EFBIG, which names the file, instead of the
+        # process dying of SIGXFSZ with nothing said
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         return int(args.func(args) or 0)
     except QToolError as e:
@@ -147,14 +154,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("qtool: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # a bug, a corrupt file, a full disk: an error, never a FAIL
-        where = traceback.extract_tb(e.__traceback__)[-1]
-        print(f"qtool: error: unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-              f"(at {os.path.basename(where.filename)}:{where.lineno}; set QTOOL_TRACEBACK=1 for the traceback)",
-              file=sys.stderr)
-        if os.environ.get("QTOOL_TRACEBACK"):
-            traceback.print_exc()
+    except OSError as e:
+        if (room := no_room(e)) is None:
+            return _unexpected(e)
+        where = f" {e.filename}" if e.filename else ""
+        print(f"qtool: error: cannot write{where}: {room}: free space there (or raise the limit) and run the same "
+              "command again", file=sys.stderr)
         return 2
+    except Exception as e:  # a bug, a corrupt file: an error, never a FAIL
+        return _unexpected(e)
+
+
+def _unexpected(e: BaseException) -> int:
+    where = traceback.extract_tb(e.__traceback__)[-1]
+    print(f"qtool: error: unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+          f"(at {os.path.basename(where.filename)}:{where.lineno}; set QTOOL_TRACEBACK=1 for the traceback)",
+          file=sys.stderr)
+    if os.environ.get("QTOOL_TRACEBACK"):
+        traceback.print_exception(e)
+    return 2
 
 
 if __name__ == "__main__":

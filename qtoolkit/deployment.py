@@ -80,21 +80,35 @@ def backoff_s(attempt: int, retry_after: str | None) -> float:
 
 
 def request(client: httpx.Client, method: str, url: str, *, retries: int, what: str, fix: str,
-            json: Any = None) -> httpx.Response:
-    """One request with retries on 429/503/5xx and on transport errors; returns the first other answer."""
-    last = ""
+            json: Any = None, repeatable: bool = True, describe: str | None = None) -> httpx.Response:
+    """One request with bounded retries; returns the first answer that is neither a 5xx nor a 429.
+
+    A request that never reached the server (connection refused) or that it asked us to send again (429, 503) is
+    retried whatever it is. A 5xx or a connection that dropped after the request went out is retried only when
+    the request is `repeatable` (a read, a greedy or seeded generation): sent again, a sampled one would draw
+    another answer, which must not stand in for the first. What is left is an EndpointError (exit 2) naming the
+    endpoint and the request (`describe`), never a wrong answer."""
+    last, tries = "", 0
     for attempt in range(retries):
+        tries = attempt + 1
         response = None
         try:
             response = client.request(method, url, json=json)
             if response.status_code < 500 and response.status_code not in RETRY_STATUS:
                 return response
             last = f"HTTP {response.status_code}"
+            again = repeatable or response.status_code in RETRY_STATUS
         except httpx.HTTPError as e:
             last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            again = repeatable or isinstance(e, httpx.ConnectError)
+        if not again:
+            last += "; not sent again: the request samples without a seed, so a retry would draw another answer"
+            break
         if attempt + 1 < retries:
             time.sleep(backoff_s(attempt, response.headers.get("retry-after") if response else None))
-    raise EndpointError(f"{what} {url} did not answer after {retries} tries ({last}): {fix}")
+    asked = f"; the request: {method} {describe}" if describe else ""
+    raise EndpointError(f"{what} {url} did not answer after {tries} tr{'y' if tries == 1 else 'ies'} ({last}){asked}: "
+                        f"{fix}")
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 from qtoolkit.evals.stats import ratio_over_rounds
 
 from .bench_loop import fresh_requests, measure_tier, repeat_rounds, requests_per_tier
-from .deployment import Deployment, EndpointInfo
+from .deployment import Deployment, EndpointError, EndpointInfo
 from .load_client import requests_sha256, run_load, summarize, warm_up
 from .provenance import provenance
 from .workloads import build_workload
@@ -27,7 +27,13 @@ def _measure(dep: Deployment, info: EndpointInfo, reqs: list[Any], concurrency: 
              ignore_eos: bool) -> dict[str, Any]:
     res, duration = asyncio.run(run_load(info.url, info.model_id, reqs, concurrency=concurrency, seed=seed,
                                          ignore_eos=ignore_eos, api_key=dep.api_key()))
-    return {"endpoint": info.url, "model_id": info.model_id, **summarize(res, duration),
+    summary = summarize(res, duration)
+    if summary["failed"]:
+        # a throughput with dropped requests measures the failures, not the deployment: ERROR, never a verdict
+        raise EndpointError(f"the {dep.role} endpoint {info.url} failed {summary['failed']} of {len(res)} benchmark "
+                            f"requests at concurrency {concurrency} (first: {(summary['errors'] or ['no error text'])[0]}): check the "
+                            "endpoint and run the same sign-off again (finished steps are reused)")
+    return {"endpoint": info.url, "model_id": info.model_id, **summary,
             "retried_requests": sum(1 for r in res if r.retries)}
 
 

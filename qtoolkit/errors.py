@@ -29,3 +29,8 @@ class BackendError(QToolError):
 
 class DraftHeadError(QToolError):
     """A draft head folder is missing, malformed, or does not fit the target it is meant to draft for."""
+
+
+class OutputWriteError(QToolError):
+    """Writing an output failed (a full disk, a file-size or quota limit, a read-only folder); what was there
+    before is intact."""

@@ -1,7 +1,11 @@
 """Output helpers: results survive crashes (atomic, fsynced, previous version kept) and concurrent runs (a lock).
 
 A results JSON is written to a temp file in the same folder, fsynced, and renamed over the old one, whose last
-version stays as FILE.prev; then the folder is fsynced so the rename itself survives a power loss. Files get
+version stays as FILE.prev; then the folder is fsynced so the rename itself survives a power loss. An output
+folder is built beside its target and swapped in with one atomic exchange (renameat2 RENAME_EXCHANGE), so a
+kill at any moment leaves either the old or the new folder, never none; temp files and folders carry their
+writer's pid, and those of dead writers are removed by the next write. A write that fails (a full disk, a
+file-size or quota limit) is one OutputWriteError naming the path, and what was there before is intact. Files get
 the permissions the umask gives (0666 & ~umask), as `open()` would, and so does every file and folder of an
 output folder (a checkpoint, a converted GGUF). One run at a time writes an output: a
 second run into it fails at once, naming the pid that holds it (fcntl.flock on a sidecar lock file, released
@@ -11,18 +15,46 @@ by the kernel however the holder ends).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
+import functools
+import glob
 import json
 import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import OutputExistsError, QToolError
+from .errors import OutputExistsError, OutputWriteError, QToolError
+
+# errnos that mean "no room": the fix is space (or a higher limit), not permissions
+NO_ROOM = {errno.ENOSPC: "no space left on the disk", errno.EDQUOT: "the disk quota is exhausted",
+           errno.EFBIG: "the file-size limit is reached (ulimit -f)"}
+# the same, as libraries that wrap the OSError in their own exception word it (safetensors, torch)
+_NO_ROOM_TEXT = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
+                 "File too large": errno.EFBIG}
+
+
+def no_room(e: BaseException) -> str | None:
+    """What ran out, when `e` is a write that found no room (an OSError or a library's wrapper of one)."""
+    if isinstance(e, OSError) and e.errno in NO_ROOM:
+        return NO_ROOM[e.errno]
+    text = str(e)
+    return next((NO_ROOM[code] for needle, code in _NO_ROOM_TEXT.items() if needle in text), None)
+
+
+def write_error(path: str | os.PathLike, e: BaseException) -> OutputWriteError:
+    """One line naming the path, what failed and the fix."""
+    if room := no_room(e):
+        return OutputWriteError(f"cannot write {path}: {room}: free space there (or raise the limit) and run the "
+                                "same command again; what was written before is intact")
+    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+    return OutputWriteError(f"cannot write {path}: {why}: make it writable or choose another output; what was "
+                            "written before is intact")
 
 
 class OutputLockedError(QToolError):
@@ -106,25 +138,101 @@ def lock_output(target: str | os.PathLike, *, wait: bool = False) -> OutputLock:
 
 @contextlib.contextmanager
 def atomic_dir(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temp folder beside `target`; on success it replaces `target`, on failure it is removed."""
+    """Yield a temp folder beside `target`; on success it replaces `target` atomically, on failure it is removed
+    and `target` is left as it was (a write that found no room: OutputWriteError naming `target`)."""
     target = Path(target)
     check_output(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    remove_stale(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
     try:
         yield tmp
         follow_umask(tmp)
-    except BaseException:
+        _swap_in(tmp, target)
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if no_room(e):
+            raise write_error(target, e) from e
         raise
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        target.rename(old)
-        tmp.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(target)
     fsync_dir(target.parent)
+
+
+def _swap_in(tmp: Path, target: Path) -> None:
+    if not target.exists():
+        tmp.rename(target)
+        return
+    if _exchange(tmp, target):  # one step: there is no moment without a complete target
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old version
+        return
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")  # remove_stale puts it back if we die here
+    target.rename(old)
+    try:
+        tmp.rename(target)
+    except BaseException:
+        old.rename(target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+@functools.cache
+def _renameat2() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not Linux, or a libc older than glibc 2.28
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically; False where the system or the filesystem cannot."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _dead_writer(path: Path, marker: str) -> bool:
+    """`path` is named NAME<marker>PID..., and no process PID is alive (it was killed mid-write)."""
+    pid = path.name.rpartition(marker)[2].split("-")[0].split(".")[0]
+    return pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
+
+
+def remove_stale(target: Path) -> None:
+    """Clear what a killed writer of `target` left beside it: its temp folders and files go; an old version it
+    had moved aside without putting the new one in place goes back (the non-atomic fallback's window)."""
+    name = glob.escape(target.name)
+    old = sorted(p for p in target.parent.glob(f".{name}.old-*") if _dead_writer(p, ".old-"))
+    if old and not target.exists():
+        with contextlib.suppress(OSError):
+            old.pop().rename(target)
+    folders = old + [p for p in target.parent.glob(f".{name}.tmp-*") if _dead_writer(p, ".tmp-")]
+    for p in folders:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in target.parent.glob(f".{name}.*.tmp"):
+        if _dead_writer(p, f".{target.name}."):
+            with contextlib.suppress(OSError):
+                p.unlink()
 
 
 def current_umask() -> int:
@@ -164,26 +272,37 @@ def previous_path(path: Path) -> Path:
 
 def write_json(path: str | os.PathLike, data: Any) -> Path:
     """Write JSON atomically and durably; the version it replaces is kept as PATH.prev."""
+    return write_text(path, json.dumps(data, indent=2, default=str) + "\n", keep_previous=True)
+
+
+def write_text(path: str | os.PathLike, text: str, *, keep_previous: bool = False) -> Path:
+    """Write `text` atomically and durably: a reader sees the old file or the new one, never a part. A failed write
+    is an OutputWriteError naming `path`, with the old file intact."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    # os.open with 0o666 (not mkstemp's 0600): the umask decides, as for any file the user creates
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(path)
+        # os.open with 0o666 (not mkstemp's 0600): the umask decides, as for any file the user creates
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError as e:
+        raise write_error(path, e) from e
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-            f.write("\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        if path.is_file() and path.stat().st_size > 0:
-            prev_tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.prev")
+        if keep_previous and path.is_file() and path.stat().st_size > 0:
+            prev_tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.prev.tmp")
             os.link(path, prev_tmp)  # a second name for the old version, then moved into place atomically
             os.replace(prev_tmp, previous_path(path))
         os.replace(tmp, path)
         fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise write_error(path, e) from e
         raise
     return path
 

@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 
 from .diagnose_result import DiagnoseResult
 from .evals.summary import RoundsRatio, TaskSummary
-from .io import write_json
+from .io import write_json, write_text
 from .report_deployment import deployment_lines
 
 _STATUS = {True: "PASS", False: "FAIL"}
@@ -326,7 +326,5 @@ def write_reports(folder: Path, report: dict[str, Any]) -> None:
     report["plots"] = sorted(k for k, v in plots.items() if v)
     md = markdown(report)
     write_json(folder / "report.json", report)
-    for name, text in (("report.md", md), ("report.html", html_report(report, md, plots))):
-        tmp = folder / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(folder / name)
+    write_text(folder / "report.md", md)
+    write_text(folder / "report.html", html_report(report, md, plots))

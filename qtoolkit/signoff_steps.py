@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import QToolError
+from .errors import OutputWriteError, QToolError
 from .io import lock_output, read_results_json, write_json
 from .progress import status
 from .provenance import text_sha256
@@ -67,6 +67,9 @@ class StepRunner:
         return prev.get("key") == self.key(inputs) and prev.get("status") != "ok"
 
     def run(self, name: str, inputs: dict[str, Any], output: Path, fn: Callable[[], None]) -> dict[str, Any]:
+        """Run `fn` unless an earlier run with the same inputs finished it. "ok" is recorded only after `fn` has
+        returned, i.e. after its output was written in full (atomically), so a step killed at any point is
+        never taken as finished."""
         key = self.key(inputs)
         prev = self.state.get(name)
         if prev and prev.get("key") == key and prev.get("status") == "ok" and output.exists():
@@ -79,6 +82,10 @@ class StepRunner:
         try:
             fn()
             entry = {"key": key, "status": "ok", "output": output.name}
+        except OutputWriteError:
+            # no room for outputs: every later step would fail the same way. The step stays "running" in
+            # steps.json (never ok), so the rerun after space is freed resumes it
+            raise
         except QToolError as e:
             entry = {"key": key, "status": "error", "error": str(e)}
         except Exception as e:  # a bug or a library failure: keep the report, mark the step

@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-need-key", action="store_true", help="require --api-key on /metrics too")
     p.add_argument("--request-timeout", type=float, default=1800.0,
                    help="seconds a request may run before it ends with 504 (default 1800)")
+    p.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, seconds in-flight requests get to finish while new ones get 503; the "
+                        "rest then end with a clean error (default 0, as vLLM: end them at once)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="level of the HTTP server's (uvicorn) and the engine's log lines")
     add_engine_args(p)
@@ -43,10 +46,12 @@ def run(args: argparse.Namespace) -> int:
         raise QToolError("--max-waiting must be >= 0")
     if args.max_body_bytes <= 0 or args.request_timeout <= 0:
         raise QToolError("--max-body-bytes and --request-timeout must be > 0")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise QToolError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     if args.metrics_need_key and args.api_key is None:
         raise QToolError("--metrics-need-key needs --api-key: pass the key the scraper will send")
     config = EngineConfig.from_args(args)  # bad engine flags fail before the port is checked or the model loads
     serve(args.model, config, host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
           log_level=args.log_level, max_body_bytes=args.max_body_bytes, metrics_need_key=args.metrics_need_key,
-          request_timeout_s=args.request_timeout)
+          request_timeout_s=args.request_timeout, shutdown_timeout_s=args.shutdown_timeout)
     return 0

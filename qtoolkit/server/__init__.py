@@ -17,6 +17,7 @@ from ..engine.config import EngineConfig
 from ..errors import QToolError
 from ..progress import status
 from .app import DEFAULT_REQUEST_TIMEOUT_S, create_app
+from .drain import DEFAULT_SHUTDOWN_TIMEOUT_S, END_GRACE_S, DrainingServer
 from .guard import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -81,8 +82,10 @@ def build_engine_off_main_thread(model: Any, config: EngineConfig | None = None)
 def serve(model: Any = "default", config: EngineConfig | None = None, *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, max_waiting: int = 256, log_level: str = "info",
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics_need_key: bool = False,
-          request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
-    """Load `model` into an engine built from `config` and serve it until interrupted."""
+          request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+          shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+    """Load `model` into an engine built from `config` and serve it until SIGTERM or SIGINT; then drain (in-flight
+    requests get `shutdown_timeout_s` to finish, the rest end cleanly) and return."""
     config = config or EngineConfig()
     if not _is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
@@ -92,6 +95,12 @@ def serve(model: Any = "default", config: EngineConfig | None = None, *, host: s
     names = [engine.model_name] + [str(model)] * (str(model) != engine.model_name)
     app = create_app(engine, served_model_names=names, api_key=api_key, max_waiting=max_waiting,
                      max_body_bytes=max_body_bytes, metrics_need_key=metrics_need_key,
-                     request_timeout_s=request_timeout_s)
+                     request_timeout_s=request_timeout_s, shutdown_timeout_s=shutdown_timeout_s)
     status(f"serving {engine.model_name} on http://{host}:{port}/v1")
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    # uvicorn's own graceful timeout starts after the drain, which has already ended every request
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=END_GRACE_S), app.state.qtool.drain)
+    server.run()
+    if not server.started:
+        raise QToolError(f"the server on {host}:{port} did not start (see the lines above): pass another --port "
+                         "or --host")

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import copy
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.params import SamplingParams
 from ..errors import QToolError
+from .drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, DrainGate
 from .driver import EngineDriver, EngineStopped, Overloaded
 from .generation import Generation
 from .guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
@@ -41,6 +43,8 @@ from .protocol import (
     usage_chunk,
 )
 
+log = logging.getLogger("qtoolkit.server")
+
 RETRY_AFTER_S = 1
 DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 
@@ -51,9 +55,10 @@ def sse(data: dict[str, Any] | str) -> str:
 
 class ServerState:
     def __init__(self, engine: Any, *, names: list[str], api_key: str | None, max_waiting: int,
-                 request_timeout_s: float):
+                 request_timeout_s: float, shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S):
         self.engine = engine
         self.request_timeout_s = request_timeout_s
+        self.drain = Drain(shutdown_timeout_s)
         # one worker: the tokenizer copy is not shared between threads, and tokenizing is cheap next to a step
         self.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtool-tokenize")
         # The engine thread detokenizes with engine.tokenizer; the event loop tokenizes with its own copy.
@@ -132,6 +137,7 @@ class ServerState:
         self.driver.release(num_prompts * n)
 
     def admit(self, n: int) -> None:
+        self.drain.check_admission()
         try:
             self.driver.admit(n)
         except Overloaded:
@@ -142,9 +148,19 @@ class ServerState:
             raise APIError(503, f"the engine stopped, so this server admits nothing: {e}", kind="server_error",
                            code="engine_stopped") from None
 
+    def log_exit(self) -> None:
+        """The line an operator reads after a shutdown: whether every request's KV blocks came back."""
+        try:
+            stats = self.engine.stats()
+        except Exception as e:  # noqa: BLE001 - a broken engine must not turn a clean exit into a traceback
+            log.warning("engine stopped; its KV use could not be read (%s: %s)", type(e).__name__, e)
+            return
+        log.warning("engine stopped: %d request(s) running, %d KV block(s) in use", stats.num_running,
+                    stats.kv_blocks_used)
+
     def start(self, prompts: list[list[int]], params: list[SamplingParams]) -> Generation:
         self.admit(len(prompts))
-        gen = Generation(self.driver, self.metrics, prompts, params, self.request_timeout_s)
+        gen = Generation(self.driver, self.metrics, prompts, params, self.request_timeout_s, self.drain.generations)
         gen.launch()
         return gen
 
@@ -164,19 +180,24 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
 
 def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_key: str | None = None,
                max_waiting: int = 256, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               metrics_need_key: bool = False, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> Any:
+               metrics_need_key: bool = False, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+               shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> Any:
     """An ASGI app over `engine`. In-flight requests are bounded by the engine's max_num_seqs + max_waiting;
-    past it: 503.
+    past it: 503. On shutdown, in-flight requests get `shutdown_timeout_s` to finish (drain.py).
 
-    The FastAPI app is `app.app` behind the guard (key and body size); `app.state.qtool` is the server state."""
+    The FastAPI app is `app.app.app` behind the guard (key and body size) and the drain gate; `app.state.qtool`
+    is the server state."""
     state = ServerState(engine, names=served_model_names or [engine.model_name], api_key=api_key,
-                        max_waiting=max_waiting, request_timeout_s=request_timeout_s)
+                        max_waiting=max_waiting, request_timeout_s=request_timeout_s,
+                        shutdown_timeout_s=shutdown_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.driver.start()
         yield
+        state.drain.end_all()  # uvicorn stopped without a drain (its own timeout ran out): end what is left
         state.driver.stop()
+        state.log_exit()
         state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         state.score_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -185,7 +206,8 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
     _add_error_handlers(app, state)
     _add_info_routes(app, state)
     _add_completion_routes(app, state)
-    return GuardMiddleware(app, api_key=api_key, max_body_bytes=max_body_bytes, metrics_need_key=metrics_need_key,
+    return GuardMiddleware(DrainGate(app, state.drain), api_key=api_key, max_body_bytes=max_body_bytes,
+                           metrics_need_key=metrics_need_key,
                            on_reject=lambda status: state.metrics.rejected.labels(str(status)).inc())
 
 
@@ -223,6 +245,8 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
+        if state.drain.draining:
+            return JSONResponse({"status": "draining", "reason": state.drain.reason}, status_code=503)
         if state.driver.alive:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "engine stopped", "reason": state.driver.why_not_alive()}, status_code=503)

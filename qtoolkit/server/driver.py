@@ -116,6 +116,8 @@ class EngineDriver:
             return
         if self.stopped_reason is not None:
             self._drain_commands()
+        else:  # stopped by the server: the last aborts (a shutdown's) still free their KV blocks
+            self._finish_commands()
 
     def _iterate(self) -> None:
         """One loop iteration; an exception in any part fails the requests it touched, then the loop goes on."""
@@ -228,6 +230,18 @@ class EngineDriver:
             _post(sink, EngineFailure(reason, 503))
         self._sinks.clear()
         self._drain_commands()
+
+    def _finish_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "abort":
+                with contextlib.suppress(Exception):
+                    self._apply(cmd)
+            elif cmd[0] == "add":
+                _post(cmd[4], EngineFailure("the server is shutting down", 503))
 
     def _drain_commands(self) -> None:
         while True:

@@ -1,8 +1,8 @@
 """One HTTP request's engine requests (prompts x n choices): launch, stream or collect, and always clean up.
 
 Cleanup is the point of this module: whatever ends a request (finish, client disconnect, cancellation, engine
-failure), `close()` aborts the engine requests still running, which frees their KV blocks, and gives the
-admission slots back. No wait is open-ended: the engine's liveness is checked every second, and a request that
+failure, server shutdown), `close()` aborts the engine requests still running, which frees their KV blocks, and
+gives the admission slots back. No wait is open-ended: the engine's liveness is checked every second, and a request that
 outlives its deadline ends with 504.
 """
 
@@ -26,7 +26,7 @@ LIVENESS_POLL_S = 1.0
 
 class Generation:
     def __init__(self, driver: EngineDriver, metrics: ServerMetrics, prompts: list[list[int]], params: list[Any],
-                 timeout_s: float):
+                 timeout_s: float, live: set[Generation] | None = None):
         self.driver, self.metrics = driver, metrics
         self.prompts, self.params = prompts, params
         self.num_prompt_tokens = sum(len(p) for p in {tuple(p) for p in prompts})  # a prompt counts once
@@ -41,6 +41,8 @@ class Generation:
         self._cursors = [StreamCursor(p.stop) for p in params]
         self._pending: asyncio.Future | None = None
         self._closed = False
+        self._live = live if live is not None else set()  # the server's running generations (drain.Drain)
+        self._live.add(self)
 
     def launch(self) -> None:
         """Admission must already be granted (driver.admit)."""
@@ -51,6 +53,14 @@ class Generation:
     @property
     def done(self) -> bool:
         return all(f is not None for f in self.final)
+
+    def end(self, err: APIError) -> bool:
+        """End this request from outside (the server shuts down): its reader raises `err` next, after the outputs
+        already queued. False when it already finished."""
+        if self._closed or self.done:
+            return False
+        self.queue.put_nowait((-1, err))
+        return True
 
     async def _next(self) -> tuple[int, Any]:
         """The next (choice, output), checking every second that the engine lives and the deadline holds."""
@@ -73,6 +83,8 @@ class Generation:
         """(choice index, RequestOutput, text safe to stream) until every choice finished; a failure raises."""
         while not self.done:
             index, out = await self._next()
+            if isinstance(out, APIError):  # ended by the server (shutdown)
+                raise out
             if isinstance(out, EngineFailure):
                 if out.status == 400:
                     raise APIError(400, out.message)
@@ -129,6 +141,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        self._live.discard(self)
         if self._pending is not None:
             self._pending.cancel()
         for rid, fin in zip(self.request_ids, self.final, strict=True):
