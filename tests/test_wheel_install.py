@@ -128,3 +128,14 @@ def test_installed_qtool_runs_version_help_generate_and_serve(installed, tiny_mo
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_installed_qtool_starts_its_servers_from_inside_the_checkout(installed, tiny_model_dir, tmp_path):
+    # `python -m qtoolkit` in the checkout would import its qtoolkit/ folder, which holds no evals/ or kernels/
+    out = tmp_path / "bench.json"
+    done = subprocess.run([installed / "bin" / "qtool", "bench", "serve", "--model", str(tiny_model_dir),
+                           "--max-concurrency", "1", "--num-prompts", "2", "--mean-output-tokens", "4",
+                           "--max-output-tokens", "8", "--kv-cache-memory", "64MiB", "--output", str(out)],
+                          cwd=REPO, env=outside_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(out.read_text())["tiers"]

@@ -19,6 +19,7 @@ import weakref
 from typing import Any
 
 from ..errors import QToolError
+from ..launch import python_module_argv
 
 
 class PeerError(QToolError):
@@ -31,7 +32,7 @@ class PeerProcess:
     def __init__(self, name: str, module: str, *, crash_hint: str) -> None:
         self.name, self.crash_hint = name, crash_hint
         self._stderr = tempfile.TemporaryFile()
-        self._proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self._proc = subprocess.Popen(python_module_argv(module), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._stderr, bufsize=0)
         self._buffer = b""
         self._finalizer = weakref.finalize(self, _stop, self._proc)

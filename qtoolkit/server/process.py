@@ -17,6 +17,7 @@ import httpx
 
 from ..engine.config import EngineConfig
 from ..errors import QToolError
+from ..launch import python_module_argv
 
 
 class ServerStartError(QToolError):
@@ -36,7 +37,7 @@ def server_process(model: str, config: EngineConfig | None = None, *, max_waitin
 
     The config crosses the process boundary as the serve command's own flags (EngineConfig.to_cli_args)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "qtoolkit", "serve", "--model", str(model), "--host", "127.0.0.1",
+    cmd = [*python_module_argv("qtoolkit"), "serve", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), *(config or EngineConfig()).to_cli_args(), "--max-waiting", str(max_waiting),
            "--log-level", "warning", *(extra_args or [])]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
