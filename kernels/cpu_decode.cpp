@@ -92,12 +92,18 @@ class DecodePlan {
   }
 
   // x [T, hidden] fp32 embeddings; cos/sin [ropes, T, D/2]; slots [T]; block_table/row_seq/row_last as
-  // paged_attention takes them. Returns (x, residual) after the last layer: the model adds and norms them.
+  // paged_attention takes them; aux_layers: EAGLE-3 taps (the residual stream entering each of these layers).
+  // Returns (x, residual) after the last layer (the model adds and norms them), then one tap per aux layer.
   std::vector<torch::Tensor> run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                                  const torch::Tensor& slots, const torch::Tensor& block_table,
-                                 const torch::Tensor& row_seq, const torch::Tensor& row_last) {
+                                 const torch::Tensor& row_seq, const torch::Tensor& row_last,
+                                 const std::vector<int64_t>& aux_layers) {
     torch::Tensor residual;
-    for (const Layer& L : layers_) {
+    std::vector<torch::Tensor> taps(aux_layers.size());
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& L = layers_[l];
+      for (size_t j = 0; j < aux_layers.size(); ++j)
+        if (aux_layers[j] == static_cast<int64_t>(l)) taps[j] = residual.defined() ? x + residual : x;
       auto t0 = Clock::now();
       auto normed = qe::add_rms_norm(x.contiguous(), residual.defined() ? c10::optional<torch::Tensor>(residual)
                                                                           : c10::nullopt, L.input_norm, eps_);
@@ -123,7 +129,9 @@ class DecodePlan {
       attention_ += seconds(t2, t3);
       other_ += seconds(t0, t1) + seconds(t4, t5) + seconds(t6, t7);
     }
-    return {x, residual};
+    std::vector<torch::Tensor> out{x, residual};
+    out.insert(out.end(), taps.begin(), taps.end());
+    return out;
   }
 
   // Seconds spent since the last reset: (weight GEMVs, attention incl. RoPE and the cache write, other ops).

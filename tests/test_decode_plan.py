@@ -29,7 +29,8 @@ def _model(tiny_model_dir, kind: str):
 
 
 def _steps(runner: ModelRunner) -> list[torch.Tensor]:
-    """Two prefills, then decode steps at batch 1 and 2, and a batch mixing a decode row with 5 verify rows."""
+    """Two prefills, then decode steps at batch 1 and 2, and a batch mixing a decode row with 5 verify rows
+    (with the residual stream entering layers 1 and 0 tapped, as EAGLE-3 asks)."""
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (9, 6)]
     tables = [list(range(0, 8)), list(range(8, 16))]
@@ -42,11 +43,11 @@ def _steps(runner: ModelRunner) -> list[torch.Tensor]:
         logits.append(out)
         for s, row in zip(seqs, out.argmax(-1).tolist(), strict=False):
             s.append(row)
-    # verification-shaped feed: five new tokens of one sequence, every row gets logits
+    # verification-shaped feed: five new tokens of one sequence, every row gets logits, and EAGLE-3 taps
     verify = seqs[1][-1:] + [11, 12, 13, 14]
-    logits.append(runner.forward([Chunk([seqs[0][-1]], len(seqs[0]) - 1, tables[0]),
-                                  Chunk(verify, len(seqs[1]) - 1, tables[1], num_logits=5)]))
-    return logits
+    out = runner.step([Chunk([seqs[0][-1]], len(seqs[0]) - 1, tables[0]),
+                       Chunk(verify, len(seqs[1]) - 1, tables[1], num_logits=5)], aux_layers=(1, 0))
+    return [*logits, out.logits, *out.aux]
 
 
 @pytest.mark.parametrize("kind", ["fp32", "int4", "fp8"])

@@ -8,7 +8,7 @@ The plan calls the same kernels in the same order as the Python loop, so its out
 A model gets a plan only when every layer has the plain LLaMA shape the loop implements: fp32 activations and
 cache on the CPU, pre-norm RMSNorm (not Gemma's 1 + w), no q/k norm, no sandwich norms, a dense SwiGLU MLP, and
 every Linear a single AVX2 kernel call. Anything else (and prefill, and rows beyond the GEMV limits) keeps the
-Python loop. QTOOLKIT_FUSED_DECODE=0 turns plans off (for A/B measurements).
+Python loop. EAGLE-3's taps (the residual stream entering chosen layers) are taken inside the C++ loop. QTOOLKIT_FUSED_DECODE=0 turns plans off (for A/B measurements).
 """
 
 from __future__ import annotations

@@ -419,9 +419,9 @@ class LlamaModel(nn.Module):
         return self
 
     def _plan_for(self, batch: ForwardBatch, rows: int) -> DecodePlan | None:
-        """The C++ layer loop when this step can take it: short rows, all in the paged attention group, no
-        EAGLE-3 taps, rows within every Linear's GEMV limit."""
-        if batch.aux_layers or len(batch.groups) != 1 or batch.groups[0].row_seq is None:
+        """The C++ layer loop when this step can take it: short rows, all in the paged attention group, rows
+        within every Linear's GEMV limit."""
+        if len(batch.groups) != 1 or batch.groups[0].row_seq is None:
             return None
         plan = self.decode_plan
         if plan is False:
@@ -460,7 +460,10 @@ class LlamaModel(nn.Module):
         plan = self._plan_for(batch, x.shape[0]) if x.dtype == torch.float32 and not x.is_cuda else None
         if plan is not None:
             g = batch.groups[0]
-            x, residual = plan.plan.run(x, cos, sin, batch.slot_mapping, g.block_table, g.row_seq, g.row_last)
+            x, residual, *taps = plan.plan.run(x, cos, sin, batch.slot_mapping, g.block_table, g.row_seq,
+                                               g.row_last, list(batch.aux_layers))
+            if taps:
+                batch.aux = torch.cat(taps, dim=-1)
         else:
             x, residual = self._layers(x, cos.unsqueeze(2), sin.unsqueeze(2), batch)
         if batch.logits_rows is not None:
