@@ -1,7 +1,8 @@
 """Build the AVX2 CPU extensions once and cache them; None when that is impossible.
 
-Two extensions: the dequant-matmul kernels (kernels/cpu_kernels.cpp) and the engine's step ops
-(kernels/cpu_engine_ops.cpp: paged attention, fused residual + RMSNorm, dense GEMV).
+Three extensions: the dequant-matmul kernels (kernels/cpu_kernels.cpp), the engine's step ops
+(kernels/cpu_engine_ops.cpp: paged attention, fused residual + RMSNorm, dense GEMV) and the decode layer loop
+(kernels/cpu_decode.cpp, which includes the other two sources and calls their ops from C++).
 
 The build goes to ~/.cache/qtoolkit/torch_extensions (override with QTOOLKIT_EXT_DIR) and is reused while the
 source and compiler flags are unchanged. Without gcc, without AVX2, or with QTOOLKIT_NO_CPU_EXT=1 the callers
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 ENGINE_OPS_SOURCE = Path(__file__).with_name("cpu_engine_ops.cpp")
+DECODE_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 # -ffp-contract=off: scalar a*b - c*d stays two rounded products, as in torch (the intrinsics' FMAs are explicit)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
 
@@ -52,21 +54,29 @@ def engine_ops():
     return _build("qtoolkit_engine_ops", ENGINE_OPS_SOURCE)
 
 
-def build_directory(prefix: str, source: Path) -> Path:
-    """Where one extension is built: named by a hash of its source, flags and torch version."""
-    tag = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+@functools.cache
+def fused_decode():
+    """The compiled decode-loop extension (DecodePlan), or None (reason logged once)."""
+    return _build("qtoolkit_decode", DECODE_SOURCE, (SOURCE, ENGINE_OPS_SOURCE))
+
+
+def build_directory(prefix: str, source: Path, includes: tuple[Path, ...] = ()) -> Path:
+    """Where one extension is built: named by a hash of its source (and the sources it includes), flags and
+    torch version."""
+    code = b"".join(p.read_bytes() for p in (source, *includes))
+    tag = hashlib.sha256(code + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
     root = Path(os.environ.get("QTOOLKIT_EXT_DIR", Path.home() / ".cache" / "qtoolkit" / "torch_extensions"))
     return root / f"{prefix}_{tag}"
 
 
-def _build(prefix: str, source: Path):
+def _build(prefix: str, source: Path, includes: tuple[Path, ...] = ()):
     if os.environ.get("QTOOLKIT_NO_CPU_EXT") == "1":
         return None
-    if not cpu_has_avx2() or not source.exists():
+    if not cpu_has_avx2() or not all(p.exists() for p in (source, *includes)):
         log.info("qtoolkit CPU kernels unavailable (no AVX2 or source missing); using torch fallback")
         return None
 
-    build_dir = build_directory(prefix, source)
+    build_dir = build_directory(prefix, source, includes)
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         with open(build_dir / "qtoolkit-build.flock", "w") as held:

@@ -461,6 +461,8 @@ torch::Tensor fake_quant_tokens(torch::Tensor x, bool fp8) {
   return out;
 }
 
+// kernels/cpu_decode.cpp includes this file to call its ops from C++, with its own module
+#ifndef QTOOLKIT_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fake_quant_tokens", &fake_quant_tokens, "per-token int8/FP8 quantize-dequantize of fp32 activations");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate|up projection");
@@ -471,3 +473,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm, returns (normed, residual)");
   m.def("dense_gemv", &dense_gemv, "fp32 x fp32/bf16 weight matmul for small batches");
 }
+#endif

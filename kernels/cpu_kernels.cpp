@@ -445,6 +445,8 @@ torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   return y;
 }
 
+// kernels/cpu_decode.cpp includes this file to call its ops from C++, with its own module
+#ifndef QTOOLKIT_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_matmul", &int4_matmul, "packed INT4 x fp32 matmul (AVX2, int8 activation blocks)");
   m.def("int4_dequantize", &int4_dequantize, "packed INT4 -> fp32 weight", py::arg("packed"), py::arg("scales"),
@@ -454,3 +456,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_dequantize", &fp8_dequantize, "FP8 E4M3 weight -> fp32", py::arg("w"), py::arg("scales"),
         py::arg("out") = py::none());
 }
+#endif

@@ -22,6 +22,7 @@ CPU thresholds, measured on an AVX2 EPYC (`qtool bench kernels --threads 1`, wei
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -58,6 +59,54 @@ def bind_cpu_gemv(layer) -> Callable | None:
     ok = (ext is not None and layer.kind == "int4" and layer.act is None and not layer.qweight.is_cuda
           and cpu.int4_fast_ok(layer.in_features, layer.group_size))
     return ext.int4_matmul if ok else None
+
+
+# Kernel codes of the fused decode loop (kernels/cpu_decode.cpp): the kernel a Linear takes for a few rows.
+GEMV_DENSE, GEMV_INT4, GEMV_INT8, GEMV_FP8 = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class GemvSpec:
+    """How the fused decode loop runs one Linear for up to `max_rows` rows: exactly the kernel calls (and their
+    arguments) that dense_linear / quant_linear make for that many fp32 rows on a CPU: the per-token activation
+    quantize-dequantize when `act` >= 0 (0 int8, 1 FP8), the GEMV, then `+ bias`."""
+
+    kind: int
+    weight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group: int
+    bias: torch.Tensor | None
+    max_rows: int
+    act: int = -1
+
+
+def gemv_spec(layer) -> GemvSpec | None:
+    """The GEMV a Linear of qtoolkit/model/quant_linear.py takes for few fp32 rows on a CPU, or None when its
+    few-row path is not one AVX2 GEMV (a concatenation, a CUDA weight, an odd shape, no AVX2 build)."""
+    none = torch.empty(0)
+    kind = getattr(layer, "kind", None)
+    bias = getattr(layer, "bias", None)
+    bias = None if bias is None else bias.float()
+    if kind is None:  # DenseLinear (ConcatLinear has no `weight`)
+        weight = getattr(layer, "weight", None)
+        if weight is None or weight.is_cuda or not cpu.dense_fast_ok(weight):
+            return None
+        rows = DENSE_GEMV_MAX_M if weight.dtype == torch.float32 else BF16_GEMV_MAX_M
+        return GemvSpec(GEMV_DENSE, weight, none, none, 0, bias, rows)
+    if layer.qweight.is_cuda or cpu.cpu_kernels() is None or (layer.act is not None and engine_ops() is None):
+        return None
+    act = -1 if layer.act is None else int(layer.act == "float")
+    if kind == "int4" and cpu.int4_fast_ok(layer.in_features, layer.group_size):
+        return GemvSpec(GEMV_INT4, layer.qweight, layer.scales, layer.zeros, layer.group_size, bias,
+                        INT4_GEMV_MAX_M, act)
+    if kind == "int8" and cpu.int8_fast_ok(layer.in_features, layer.group_size):
+        return GemvSpec(GEMV_INT8, layer.qweight, layer.scales, layer.zeros, layer.group_size, bias, GEMV_MAX_M,
+                        act)
+    if kind == "fp8" and layer.in_features % 16 == 0:
+        return GemvSpec(GEMV_FP8, layer.qweight.view(torch.uint8), layer.scales.reshape(-1), none, 0, bias,
+                        FP8_GEMV_MAX_M, act)
+    return None
 
 
 def cpu_dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

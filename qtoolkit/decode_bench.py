@@ -41,6 +41,7 @@ def engine_decoder(model: str, dtype: str, threads: int) -> tuple[Decoder, dict[
                 stamps += [time.perf_counter()] * len(out.new_token_ids)
         return stamps
 
+    run.engine = engine  # decode_breakdown times this engine's steps after the rounds
     return run, {"model": engine.source.describe(), "dtype": str(engine.model.dtype).removeprefix("torch."),
                  "threads": threads}
 

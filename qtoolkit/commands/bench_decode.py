@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
     p.add_argument("--dtype", default="auto", help="engine and HF precision: auto, float32, bfloat16")
     p.add_argument("--threads", type=int, default=None, help="threads for every system (default: torch's choice)")
+    p.add_argument("--no-breakdown", action="store_true",
+                   help="skip the per-token split (GEMV / attention / other ops / host) and the roofline fraction")
     p.add_argument("--output", required=True, help="result JSON path")
 
 
@@ -36,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..decode_bench import engine_decoder, format_table, hf_decoder, llama_cpp_decoder, run_decode_bench
+    from ..decode_breakdown import DecodeBreakdown, format_breakdown
     from ..provenance import provenance
     from ..sources import default_gguf_path, resolve_model
 
@@ -65,8 +68,30 @@ def run(args: argparse.Namespace) -> int:
     with bar(total=args.rounds * len(systems), desc="decode rounds", unit="run") as progress:
         report = run_decode_bench(systems, tokens=args.tokens, rounds=args.rounds,
                                   baseline="llama.cpp" if "llama.cpp" in systems else None, progress=progress)
+    if not args.no_breakdown:
+        report = _with_breakdowns(report, systems, args.tokens)
     report = {**provenance(command="bench decode", models=models, compare=peers, threads=threads), **report}
     print(format_table(report))
+    for name, r in report["systems"].items():
+        if "breakdown" in r:
+            print(format_breakdown(name, DecodeBreakdown(**r["breakdown"])))
     path = write_json(args.output, report)
     status(f"wrote {path}")
     return 0
+
+
+def _with_breakdowns(report: dict, systems: dict, tokens: int) -> dict:
+    """Each engine system's per-token split and roofline fraction (qtoolkit/decode_breakdown.py), after the
+    timed rounds, against the DRAM bandwidth measured once here."""
+    # start-up time, as in run(): these pull torch and the engine
+    from ..decode_bench import PROMPT
+    from ..decode_breakdown import measure_breakdown
+    from ..kernels.roofline import measure_bandwidth
+
+    status("measuring memory bandwidth and the per-token breakdown")
+    bandwidth = measure_bandwidth()
+    for name, (decode, _) in systems.items():
+        engine = getattr(decode, "engine", None)
+        if engine is not None:
+            report["systems"][name]["breakdown"] = measure_breakdown(engine, PROMPT, tokens, bandwidth).to_json()
+    return {**report, "memory_bandwidth_gb_s": round(bandwidth, 2)}

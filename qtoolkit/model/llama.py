@@ -24,6 +24,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ..errors import ModelSourceError
+from .decode_plan import DecodePlan, build_plan, cache_key
 from .moe import MoEConfig, SparseMoE
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
@@ -401,6 +402,9 @@ class LlamaModel(nn.Module):
                              for k in distinct])  # [ropes, positions, D/2]
         self.register_buffer("rope_cos", freqs.cos(), persistent=False)
         self.register_buffer("rope_sin", freqs.sin(), persistent=False)
+        # the C++ layer loop of decode/verify steps (model/decode_plan.py): built at the first step that can use
+        # it, dropped when the model's modules or KV caches change; False = this model cannot have one
+        self.decode_plan: DecodePlan | None | bool = None
 
     def cast_rope(self) -> None:
         self.rope_cos, self.rope_sin = self.rope_cos.to(self.dtype), self.rope_sin.to(self.dtype)
@@ -411,16 +415,30 @@ class LlamaModel(nn.Module):
         Safe to keep: nn.Module.__setattr__ drops the copy whenever a submodule is reassigned."""
         for module in self.modules():
             module.__dict__.update(module._modules)
+        self.decode_plan = None
         return self
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Runs the scheduled tokens; returns float32 logits [rows, vocab] for batch.logits_rows."""
-        x = F.embedding(batch.input_ids, self.embed_tokens).to(self.dtype)  # a bf16 table may feed fp32 layers
-        if self.config.embed_scale:  # the scale rounded to the activations' dtype first, as transformers does
-            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=self.dtype)
-        cos = self.rope_cos.index_select(1, batch.positions).unsqueeze(2)  # [ropes, T, 1, D/2]
-        sin = self.rope_sin.index_select(1, batch.positions).unsqueeze(2)
+    def _plan_for(self, batch: ForwardBatch, rows: int) -> DecodePlan | None:
+        """The C++ layer loop when this step can take it: short rows, all in the paged attention group, rows
+        within every Linear's GEMV limit."""
+        if len(batch.groups) != 1 or batch.groups[0].row_seq is None:
+            return None
+        plan = self.decode_plan
+        if plan is False:
+            return None
+        if plan is None or plan.cache_key != cache_key(self):
+            plan = self.decode_plan = build_plan(self) or False
+            if plan is False:
+                return None
+        return plan if rows <= plan.max_rows else None
+
+    def _apply(self, fn, recurse=True):  # .to() and the like replace tensors a plan holds
+        self.decode_plan = None
+        return super()._apply(fn, recurse)
+
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer loop in Python (every family, every step): cos/sin [ropes, T, 1, D/2]."""
         residual = None
         taps: dict[int, torch.Tensor] = {}
         for i, (layer, r) in enumerate(zip(self.layers, self.rope_index, strict=True)):
@@ -429,6 +447,25 @@ class LlamaModel(nn.Module):
             x, residual = layer.forward(x, residual, cos[r], sin[r], batch)
         if taps:
             batch.aux = torch.cat([taps[i] for i in batch.aux_layers], dim=-1)
+        return x, residual
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Runs the scheduled tokens; returns float32 logits [rows, vocab] for batch.logits_rows."""
+        x = F.embedding(batch.input_ids, self.embed_tokens).to(self.dtype)  # a bf16 table may feed fp32 layers
+        if self.config.embed_scale:  # the scale rounded to the activations' dtype first, as transformers does
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=self.dtype)
+        cos = self.rope_cos.index_select(1, batch.positions)  # [ropes, T, D/2]
+        sin = self.rope_sin.index_select(1, batch.positions)
+        plan = self._plan_for(batch, x.shape[0]) if x.dtype == torch.float32 and not x.is_cuda else None
+        if plan is not None:
+            g = batch.groups[0]
+            x, residual, *taps = plan.plan.run(x, cos, sin, batch.slot_mapping, g.block_table, g.row_seq,
+                                               g.row_last, list(batch.aux_layers))
+            if taps:
+                batch.aux = torch.cat(taps, dim=-1)
+        else:
+            x, residual = self._layers(x, cos.unsqueeze(2), sin.unsqueeze(2), batch)
         if batch.logits_rows is not None:
             x, residual = x.index_select(0, batch.logits_rows), residual.index_select(0, batch.logits_rows)
         logits = self.lm_head.forward(self.norm.add_forward(x, residual)[0])

@@ -1,0 +1,102 @@
+"""The C++ decode layer loop (kernels/cpu_decode.cpp via qtoolkit/model/decode_plan.py) against the Python loop:
+the same kernels in the same order, so logits must be identical, for dense and quantized models, at batch 1,
+in batches and on verification rows."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from qtoolkit.kernels.cpu_build import engine_ops, fused_decode
+
+from qtoolkit.engine import Engine, SamplingParams
+from qtoolkit.engine.model_runner import Chunk, ModelRunner
+from qtoolkit.engine.speculative.self_draft import quantize_copy
+from qtoolkit.model import decode_plan
+from qtoolkit.model.loader import load_model
+from qtoolkit.sources import resolve_model
+
+pytestmark = pytest.mark.skipif(engine_ops() is None or fused_decode() is None,
+                                reason="CPU decode extension unavailable (no AVX2 or no compiler)")
+
+BLOCK = 4
+
+
+def _model(tiny_model_dir, kind: str):
+    model = load_model(resolve_model(str(tiny_model_dir)), "float32")
+    return model if kind == "fp32" else quantize_copy(model, kind)
+
+
+def _steps(runner: ModelRunner) -> list[torch.Tensor]:
+    """Two prefills, then decode steps at batch 1 and 2, and a batch mixing a decode row with 5 verify rows
+    (with the residual stream entering layers 1 and 0 tapped, as EAGLE-3 asks)."""
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (9, 6)]
+    tables = [list(range(0, 8)), list(range(8, 16))]
+    logits = [runner.forward([Chunk(s, 0, t) for s, t in zip(seqs, tables, strict=True)])]
+    for step in range(4):  # batch 1, then batch 2 from the second step on
+        feeds = [Chunk([seqs[0][-1]], len(seqs[0]) - 1, tables[0])]
+        if step:
+            feeds.append(Chunk([seqs[1][-1]], len(seqs[1]) - 1, tables[1]))
+        out = runner.forward(feeds)
+        logits.append(out)
+        for s, row in zip(seqs, out.argmax(-1).tolist(), strict=False):
+            s.append(row)
+    # verification-shaped feed: five new tokens of one sequence, every row gets logits, and EAGLE-3 taps
+    verify = seqs[1][-1:] + [11, 12, 13, 14]
+    out = runner.step([Chunk([seqs[0][-1]], len(seqs[0]) - 1, tables[0]),
+                       Chunk(verify, len(seqs[1]) - 1, tables[1], num_logits=5)], aux_layers=(1, 0))
+    return [*logits, out.logits, *out.aux]
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int4", "fp8"])
+def test_plan_logits_identical_to_python_loop(tiny_model_dir, kind, monkeypatch):
+    model = _model(tiny_model_dir, kind)
+    monkeypatch.setenv("QTOOLKIT_FUSED_DECODE", "0")
+    slow = _steps(ModelRunner(model, 16, BLOCK))
+    assert model.decode_plan is False  # turned off: the Python loop ran every step
+    monkeypatch.setenv("QTOOLKIT_FUSED_DECODE", "1")
+    model.decode_plan = None
+    runner = ModelRunner(model, 16, BLOCK)
+    fast = _steps(runner)
+    plan = model.decode_plan
+    assert isinstance(plan, decode_plan.DecodePlan) and plan.plan.num_layers == model.config.num_layers
+    assert plan.plan.times()[0] > 0  # its GEMVs ran
+    for a, b in zip(slow, fast, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_plan_rebinds_to_a_new_cache_and_skips_long_rows(tiny_model_dir):
+    model = _model(tiny_model_dir, "fp32")
+    first = ModelRunner(model, 16, BLOCK)
+    _steps(first)
+    old = model.decode_plan
+    second = ModelRunner(model, 16, BLOCK)  # a new cache: the plan must write there, not into the old one
+    ref = _steps(second)
+    assert model.decode_plan is not old and model.decode_plan.cache_key == decode_plan.cache_key(model)
+    assert torch.equal(ref[1], _steps(ModelRunner(model, 16, BLOCK))[1])
+    assert model.decode_plan.max_rows == 16  # fp32 dense GEMV limit (kernels/dispatch.py)
+
+
+def test_unsupported_shapes_keep_the_python_loop(tiny_model_dir):
+    model = _model(tiny_model_dir, "fp32")
+    ModelRunner(model, 16, BLOCK)
+    gemma_like = dataclasses.replace(model.config, qk_norm=True)
+    model.config, saved = gemma_like, model.config
+    assert decode_plan.build_plan(model) is None
+    model.config = saved
+    model.layers[0].mlp.act = torch.nn.functional.gelu  # a GeGLU layer is not the loop's SwiGLU
+    assert decode_plan.build_plan(model) is None
+
+
+def test_engine_generates_the_same_tokens_with_and_without_the_plan(tiny_model_dir, monkeypatch):
+    prompts = ["def add(a, b):", "The results show that", "x"]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    fast = Engine(str(tiny_model_dir), kv_cache_memory="4MiB", block_size=BLOCK)
+    fast_out = [o.token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
+    assert isinstance(fast.model.decode_plan, decode_plan.DecodePlan)
+    monkeypatch.setenv("QTOOLKIT_FUSED_DECODE", "0")
+    slow = Engine(str(tiny_model_dir), kv_cache_memory="4MiB", block_size=BLOCK)
+    assert [o.token_ids for o in slow.generate(prompts, params, use_tqdm=False)] == fast_out
+    assert slow.model.decode_plan is False
