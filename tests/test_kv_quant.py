@@ -242,3 +242,11 @@ def test_bad_kv_cache_dtype_flag_is_one_cli_error(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is unknown" in err and "fp8" in err
+
+
+def test_long_workload_has_distinct_2k_token_documents():
+    from qtoolkit.workloads import build_workload
+
+    requests = build_workload("long", 8, seed=1)
+    assert {r.kind for r in requests} == {"long"} and len({r.prompt for r in requests}) == 8
+    assert all(len(r.prompt) >= 10000 for r in requests)
