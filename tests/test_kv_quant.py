@@ -250,3 +250,22 @@ def test_long_workload_has_distinct_2k_token_documents():
     requests = build_workload("long", 8, seed=1)
     assert {r.kind for r in requests} == {"long"} and len({r.prompt for r in requests}) == 8
     assert all(len(r.prompt) >= 10000 for r in requests)
+
+
+@pytest.mark.slow
+def test_fp8_kv_recipe_checkpoint_serves_with_its_calibrated_scales(tiny_model_dir, tmp_path):
+    """qtool quantize with fp8-dynamic-kv8 writes kv_cache_scheme into the config and self_attn.k_scale / v_scale
+    into the weights (where vLLM reads them); the engine's fp8 cache then stores every slot with those scales."""
+    out = tmp_path / "fp8kv"
+    assert main(["quantize", "--model", str(tiny_model_dir), "--recipe", "fp8-dynamic-kv8", "--output", str(out),
+                 "--no-verify", "--num-samples", "4"]) == 0
+    scheme = json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
+    assert (scheme["num_bits"], scheme["type"], scheme["strategy"], scheme["dynamic"]) == (8, "float", "tensor", False)
+    tensors = load_file(out / "model.safetensors")
+    k_scale = tensors["model.layers.1.self_attn.k_scale"].float()
+    engine = Engine(str(out), kv_cache_memory="4MiB", block_size=4, kv_cache_dtype="fp8")
+    assert all(len(o) == 6 for o in greedy(engine, PROMPTS[:2], 6))
+    static = engine.model.layers[1].attn.kv_static
+    assert static is not None and torch.equal(static.k, k_scale.expand(2))
+    used = engine.runner.kv_scales[1, 0]
+    assert used[used > 0].unique().tolist() == pytest.approx(k_scale.tolist())
