@@ -78,6 +78,7 @@ def main() -> None:
     p.add_argument("--context-tokens", type=int, default=2048)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--skip", choices=["capacity", "decode"], default=None, help="leave one measurement out")
     p.add_argument("--output", required=True)
     args = p.parse_args()
     engines = {kv: Engine("default", EngineConfig(kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=kv,
@@ -85,7 +86,7 @@ def main() -> None:
                for kv in DTYPES}
     tok = engines["auto"].tokenizer
     batch = prompts(tok, args.concurrency, args.prompt_tokens)
-    context = prompts(tok, 1, args.context_tokens)[0] if args.context_tokens else None
+    context = prompts(tok, 1, args.context_tokens)[0] if args.skip != "decode" else None
     result = {"model": "default", "settings": vars(args), "dtypes": {}}
     for kv, engine in engines.items():
         st = engine.stats()
@@ -93,7 +94,7 @@ def main() -> None:
                                 st.kv_bytes_per_token, "capacity_rounds": [], "decode_rounds": []}
     for r in range(args.rounds):
         order = DTYPES if r % 2 == 0 else DTYPES[::-1]
-        for kv in order:
+        for kv in order if args.skip != "capacity" else ():
             result["dtypes"][kv]["capacity_rounds"].append(capacity_round(engines[kv], batch, args.max_tokens))
             print(kv, "capacity", result["dtypes"][kv]["capacity_rounds"][-1], flush=True)
         if context is not None:
@@ -108,6 +109,7 @@ def main() -> None:
     result["fp8_over_auto"] = {
         "kv_capacity_tokens": fp8["kv_capacity_tokens"] / auto["kv_capacity_tokens"],
         "peak_kv_tokens_in_use": ratios("peak_kv_tokens_in_use", "capacity_rounds"),
+        "peak_running": ratios("peak_running", "capacity_rounds"),
         "output_tok_per_s": ratios("output_tok_per_s", "capacity_rounds"),
         "decode_tok_per_s_2k_context": ratios("decode_tok_per_s", "decode_rounds") if context else [],
     }
