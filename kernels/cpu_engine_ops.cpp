@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -53,6 +54,13 @@ inline __m256 load8(const int8_t* p) {
 }
 inline float to_f(uint8_t v) { return static_cast<float>(c10::Float8_e4m3fn(v, c10::Float8_e4m3fn::from_bits())); }
 inline float to_f(int8_t v) { return static_cast<float>(v); }
+
+template <typename C>
+inline void widen_row(const C* x, int64_t D, float* out) {  // quantized values -> fp32 (unscaled)
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8) _mm256_storeu_ps(out + i, load8(x + i));
+  for (; i < D; ++i) out[i] = to_f(x[i]);
+}
 
 // dot(a, b) over D elements; a is fp32 (already converted), b in the cache's dtype.
 template <typename T>
@@ -91,12 +99,16 @@ void attend(const T* q, int64_t q_head_stride, const C* kc, const C* vc, const f
   float* inv = acc + G * D;
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(q[g * q_head_stride + d]) * scale;
+  // a quantized row is widened to fp32 once and reused by the G query heads that share it
+  constexpr bool widen = std::is_same_v<C, uint8_t> || std::is_same_v<C, int8_t>;
+  float row[widen ? 512 : 1];  // paged_attention checks D <= 512 for a quantized cache
   for (int64_t i = 0; i < L; ++i) {
     const int64_t p = first + i;
     const int64_t slot = (table[p / bs] * bs + p % bs) * Hk + kh;
     const C* k = kc + slot * D;
-    if (ks) {
-      for (int64_t g = 0; g < G; ++g) s[g * L + i] = dot(qf + g * D, k, D) * ks[slot];
+    if constexpr (widen) {
+      widen_row(k, D, row);
+      for (int64_t g = 0; g < G; ++g) s[g * L + i] = dot(qf + g * D, row, D) * ks[slot];
     } else {
       for (int64_t g = 0; g < G; ++g) s[g * L + i] = dot(qf + g * D, k, D);
     }
@@ -117,8 +129,12 @@ void attend(const T* q, int64_t q_head_stride, const C* kc, const C* vc, const f
     const int64_t p = first + i;
     const int64_t slot = (table[p / bs] * bs + p % bs) * Hk + kh;
     const C* v = vc + slot * D;
-    const float sv = vs ? vs[slot] : 1.f;
-    for (int64_t g = 0; g < G; ++g) axpy(s[g * L + i] * sv, v, acc + g * D, D);
+    if constexpr (widen) {
+      widen_row(v, D, row);
+      for (int64_t g = 0; g < G; ++g) axpy(s[g * L + i] * vs[slot], row, acc + g * D, D);
+    } else {
+      for (int64_t g = 0; g < G; ++g) axpy(s[g * L + i], v, acc + g * D, D);
+    }
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(acc[g * D + d] * inv[g]);
@@ -172,6 +188,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   } else {
     TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the caches must share a dtype");
   }
+  TORCH_CHECK(!quantized || k_cache.size(3) <= 512, "a quantized cache supports head_dim up to 512");
   const float* ksp = quantized ? k_scales->data_ptr<float>() : nullptr;
   const float* vsp = quantized ? v_scales->data_ptr<float>() : nullptr;
   TORCH_CHECK(block_table.scalar_type() == torch::kLong && row_seq.scalar_type() == torch::kLong &&
