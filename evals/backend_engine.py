@@ -14,13 +14,15 @@ class EngineBackend:
     name = "engine"
     full_distributions = True
 
-    def __init__(self, spec: str, kv_cache_memory: str = "1GiB", **_: Any):
+    def __init__(self, spec: str, kv_cache_memory: str = "1GiB", kv_cache_dtype: str = "auto", **_: Any):
         self.source = resolve_model(spec)
-        self.engine = Engine(str(self.source.path), EngineConfig(kv_cache_memory=kv_cache_memory))
+        self.kv_cache_dtype = kv_cache_dtype
+        self.engine = Engine(str(self.source.path), EngineConfig(kv_cache_memory=kv_cache_memory,
+                                                                 kv_cache_dtype=kv_cache_dtype))
         self.tokenizer = self.engine.tokenizer
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, **self.source.describe()}
+        return {"backend": self.name, **self.source.describe(), "kv_cache_dtype": self.kv_cache_dtype}
 
     def generate(self, prompts: list[str], params: GenParams) -> list[GeneratedText]:
         sp = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,

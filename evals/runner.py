@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from qtoolkit.engine.config import KV_CACHE_DTYPES
 from qtoolkit.errors import QToolError
 from qtoolkit.progress import bar, status
 from qtoolkit.sources import resolve_model
@@ -37,14 +38,21 @@ class EvalConfig:
     model_id: str | None = None  # the served model each endpoint must list in /v1/models
     baseline_model_id: str | None = None
     task_options: dict[str, Any] = field(default_factory=dict)
+    # the engine backend's KV cache storage per side (auto, fp8, int8): a KV-quantized candidate against the same
+    # weights with the unquantized cache measures what the cache alone costs
+    kv_cache_dtype: str = "auto"
+    baseline_kv_cache_dtype: str = "auto"
 
 
-def model_identity(spec: str | None, endpoint: str | None, backend: str) -> dict[str, Any]:
-    """What makes two runs comparable: the weights' hash (or the endpoint) and the backend."""
+def model_identity(spec: str | None, endpoint: str | None, backend: str,
+                   kv_cache_dtype: str = "auto") -> dict[str, Any]:
+    """What makes two runs comparable: the weights' hash (or the endpoint), the backend and, when quantized, the
+    KV cache's storage."""
     if endpoint:
         return {"endpoint": endpoint, "tokenizer": spec}
     src = resolve_model(spec) if spec is not None else None
-    return {"backend": backend, "spec": spec, "sha256": src.sha256 if src else None}
+    identity = {"backend": backend, "spec": spec, "sha256": src.sha256 if src else None}
+    return identity if kv_cache_dtype == "auto" else {**identity, "kv_cache_dtype": kv_cache_dtype}
 
 
 class _LazyPair:
@@ -61,9 +69,10 @@ class _LazyPair:
             ids = [{"role": "candidate", "model_id": c.model_id} if c.endpoint else {},
                    {"role": "baseline", "model_id": c.baseline_model_id} if c.baseline_endpoint else {}]
             cand = make_backend(c.model, kind=c.backend, endpoint=c.endpoint, tokenizer_from=c.model or c.baseline,
-                                **ids[0])
+                                kv_cache_dtype=c.kv_cache_dtype, **ids[0])
             base = make_backend(c.baseline, kind=c.backend, endpoint=c.baseline_endpoint,
-                                tokenizer_from=c.baseline or c.model, **ids[1])
+                                tokenizer_from=c.baseline or c.model, kv_cache_dtype=c.baseline_kv_cache_dtype,
+                                **ids[1])
             check_same_vocabulary(cand, base)
             self.pair = (cand, base)
         return self.pair
@@ -77,8 +86,14 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         raise QToolError("no candidate: pass --model M (or --endpoint URL)")
     if cfg.baseline is None and cfg.baseline_endpoint is None:
         raise QToolError("no baseline: pass --baseline B (or --baseline-endpoint URL)")
-    identities = {"candidate": model_identity(cfg.model, cfg.endpoint, cfg.backend),
-                  "baseline": model_identity(cfg.baseline, cfg.baseline_endpoint, cfg.backend)}
+    for kv in (cfg.kv_cache_dtype, cfg.baseline_kv_cache_dtype):
+        if kv not in KV_CACHE_DTYPES:
+            raise QToolError(f"KV cache dtype {kv!r} is unknown: use one of {', '.join(KV_CACHE_DTYPES)}")
+        if kv != "auto" and cfg.backend != "engine":
+            raise QToolError(f"a {kv} KV cache needs the engine backend: drop --backend {cfg.backend}")
+    identities = {"candidate": model_identity(cfg.model, cfg.endpoint, cfg.backend, cfg.kv_cache_dtype),
+                  "baseline": model_identity(cfg.baseline, cfg.baseline_endpoint, cfg.backend,
+                                             cfg.baseline_kv_cache_dtype)}
     # every task is built before anything is written or run, so a refusal (no sandbox for code) costs nothing
     built = {name: make_task(name, seed=cfg.seed, **cfg.task_options) for name in names}
     store = ResultsFile(cfg.output, overwrite=cfg.overwrite,

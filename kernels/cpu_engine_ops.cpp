@@ -5,17 +5,20 @@
 //    sliding window reads only the blocks inside it). The torch path gathered every sequence's blocks into a
 //    padded copy per layer per step (at batch 32 that copy and the masked SDPA over it cost a third of the step).
 //  - add_rms_norm: residual add + RMSNorm in one pass (six torch ops and two temporaries otherwise).
-//  - rope_and_cache: RoPE on q and k plus the KV-cache write (about a dozen torch ops per layer otherwise).
+//  - rope_and_cache: RoPE on q and k plus the KV-cache write (about a dozen torch ops per layer otherwise);
+//    rope_and_cache_quant writes a quantized cache (FP8 E4M3 bytes or int8, a scale per token and KV head),
+//    which paged_attention reads as it is.
 //  - silu_mul: SwiGLU's split, silu and product in one pass.
 //  - dense_gemv: x[M, K] @ w[N, K]^T for small M, fp32 or bf16 weights, reading each weight row once for all M
 //    rows; MKL's fp32 GEMV reaches about half the DRAM bandwidth on this CPU.
-// Activations and the KV cache are fp32 or bf16; every sum is kept in fp32.
+// Activations are fp32 or bf16, the KV cache that or FP8/int8 with scales; every sum is kept in fp32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -34,6 +37,30 @@ inline __m256 load8(const at::BFloat16* p) {  // bf16 is the top half of an fp32
 }
 inline float to_f(float v) { return v; }
 inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
+
+// A quantized KV cache holds FP8 E4M3 bytes (as uint8_t) or int8 values; the scale is applied by the caller.
+// E4M3 normals become fp32 by moving the exponent/mantissa bits into place and rebiasing the exponent (7 -> 127);
+// subnormals (exponent 0) are m * 2^-9, built from the integer so no fp32 denormal (a slow assist) is ever made.
+inline __m256 load8(const uint8_t* p) {
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7F));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.f / 512.f));
+  const __m256 r = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag)));
+  return _mm256_or_ps(r, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24)));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline float to_f(uint8_t v) { return static_cast<float>(c10::Float8_e4m3fn(v, c10::Float8_e4m3fn::from_bits())); }
+inline float to_f(int8_t v) { return static_cast<float>(v); }
+
+template <typename C>
+inline void widen_row(const C* x, int64_t D, float* out) {  // quantized values -> fp32 (unscaled)
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8) _mm256_storeu_ps(out + i, load8(x + i));
+  for (; i < D; ++i) out[i] = to_f(x[i]);
+}
 
 // dot(a, b) over D elements; a is fp32 (already converted), b in the cache's dtype.
 template <typename T>
@@ -58,11 +85,12 @@ inline void axpy(float w, const T* x, float* y, int64_t D) {  // y += w * x
 }
 
 // One query row's G heads (sharing KV head kh) against positions first..last of its sequence (first > 0 under a
-// sliding window: blocks before it are never read).
-template <typename T>
-void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const int64_t* table, int64_t first,
-            int64_t last, int64_t bs, int64_t Hk, int64_t kh, int64_t D, int64_t G, float scale, T* out,
-            std::vector<float>& buf) {
+// sliding window: blocks before it are never read). A quantized cache C (uint8_t = FP8, int8_t) comes with one
+// scale per (slot, KV head) in ks/vs; an unquantized one (C = T) has none.
+template <typename T, typename C>
+void attend(const T* q, int64_t q_head_stride, const C* kc, const C* vc, const float* ks, const float* vs,
+            const int64_t* table, int64_t first, int64_t last, int64_t bs, int64_t Hk, int64_t kh, int64_t D,
+            int64_t G, float scale, T* out, std::vector<float>& buf) {
   const int64_t L = last - first + 1;
   buf.resize(G * L + 2 * G * D + G);
   float* s = buf.data();
@@ -71,10 +99,19 @@ void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const i
   float* inv = acc + G * D;
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(q[g * q_head_stride + d]) * scale;
+  // a quantized row is widened to fp32 once and reused by the G query heads that share it
+  constexpr bool widen = std::is_same_v<C, uint8_t> || std::is_same_v<C, int8_t>;
+  float row[widen ? 512 : 1];  // paged_attention checks D <= 512 for a quantized cache
   for (int64_t i = 0; i < L; ++i) {
     const int64_t p = first + i;
-    const T* k = kc + ((table[p / bs] * bs + p % bs) * Hk + kh) * D;
-    for (int64_t g = 0; g < G; ++g) s[g * L + i] = dot(qf + g * D, k, D);
+    const int64_t slot = (table[p / bs] * bs + p % bs) * Hk + kh;
+    const C* k = kc + slot * D;
+    if constexpr (widen) {
+      widen_row(k, D, row);
+      for (int64_t g = 0; g < G; ++g) s[g * L + i] = dot(qf + g * D, row, D) * ks[slot];
+    } else {
+      for (int64_t g = 0; g < G; ++g) s[g * L + i] = dot(qf + g * D, k, D);
+    }
   }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = s + g * L;
@@ -90,30 +127,36 @@ void attend(const T* q, int64_t q_head_stride, const T* kc, const T* vc, const i
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t i = 0; i < L; ++i) {
     const int64_t p = first + i;
-    const T* v = vc + ((table[p / bs] * bs + p % bs) * Hk + kh) * D;
-    for (int64_t g = 0; g < G; ++g) axpy(s[g * L + i], v, acc + g * D, D);
+    const int64_t slot = (table[p / bs] * bs + p % bs) * Hk + kh;
+    const C* v = vc + slot * D;
+    if constexpr (widen) {
+      widen_row(v, D, row);
+      for (int64_t g = 0; g < G; ++g) axpy(s[g * L + i] * vs[slot], row, acc + g * D, D);
+    } else {
+      for (int64_t g = 0; g < G; ++g) axpy(s[g * L + i], v, acc + g * D, D);
+    }
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(acc[g * D + d] * inv[g]);
 }
 
 // Every (row, KV head) pair is one task: its G query heads against the row's visible positions.
-template <typename T>
-void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                 const int64_t* table, const int64_t* row_seq, const int64_t* row_last, int64_t B, int64_t G,
-                 double scale, int64_t window, int64_t grain, torch::Tensor& out) {
+template <typename T, typename C>
+void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache, const float* ks,
+                 const float* vs, const int64_t* table, const int64_t* row_seq, const int64_t* row_last, int64_t B,
+                 int64_t G, double scale, int64_t window, int64_t grain, torch::Tensor& out) {
   const int64_t Hk = k_cache.size(2), D = q.size(2), H = q.size(1), bs = k_cache.size(1);
   const T* qp = q.data_ptr<T>();
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
+  const C* kc = static_cast<const C*>(k_cache.data_ptr());
+  const C* vc = static_cast<const C*>(v_cache.data_ptr());
   T* op = out.data_ptr<T>();
   at::parallel_for(0, q.size(0) * Hk, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / Hk, kh = i % Hk;
       const int64_t first = window > 0 ? std::max<int64_t>(0, row_last[t] - window + 1) : 0;
-      attend<T>(qp + t * q.stride(0) + kh * G * D, D, kc, vc, table + row_seq[t] * B, first, row_last[t], bs, Hk, kh,
-                D, G, static_cast<float>(scale), op + t * H * D + kh * G * D, buf);
+      attend<T, C>(qp + t * q.stride(0) + kh * G * D, D, kc, vc, ks, vs, table + row_seq[t] * B, first, row_last[t],
+                   bs, Hk, kh, D, G, static_cast<float>(scale), op + t * H * D + kh * G * D, buf);
     }
   });
 }
@@ -123,13 +166,31 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
 // q [T, H, D] (any row stride, heads contiguous), caches [num_blocks, block_size, Hk, D], block_table [S, B]
 // int64, row_seq [T] (row -> sequence), row_last [T] (newest position the row may see). window > 0: a row sees only
 // its last `window` positions (itself included), as transformers' sliding-window mask (kv > q - window); 0 = all.
+// A quantized cache (uint8 holding FP8 E4M3 bytes, or int8) comes with k_scales/v_scales [num_blocks, block_size,
+// Hk] fp32, value = stored * scale; the bytes are read as they are, never widened into a copy.
 // Returns [T, H * D].
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
-                              torch::Tensor row_seq, torch::Tensor row_last, double scale, int64_t window) {
+                              torch::Tensor row_seq, torch::Tensor row_last, double scale, int64_t window,
+                              c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [T, H, D] with dense heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  const bool quantized = k_scales.has_value() && k_scales->defined();
+  TORCH_CHECK(quantized == (v_scales.has_value() && v_scales->defined()), "give both k_scales and v_scales or neither");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the caches must share a dtype");
+  if (quantized) {
+    TORCH_CHECK(k_cache.scalar_type() == torch::kByte || k_cache.scalar_type() == torch::kChar,
+                "a scaled cache holds uint8 (FP8 E4M3 bytes) or int8");
+    TORCH_CHECK(k_scales->scalar_type() == torch::kFloat && v_scales->scalar_type() == torch::kFloat &&
+                k_scales->is_contiguous() && v_scales->is_contiguous() &&
+                k_scales->numel() * k_cache.size(3) == k_cache.numel() &&
+                v_scales->numel() * v_cache.size(3) == v_cache.numel(),
+                "k_scales/v_scales must be contiguous fp32 [num_blocks, block_size, Hk]");
+  } else {
+    TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the caches must share a dtype");
+  }
+  TORCH_CHECK(!quantized || k_cache.size(3) <= 512, "a quantized cache supports head_dim up to 512");
+  const float* ksp = quantized ? k_scales->data_ptr<float>() : nullptr;
+  const float* vsp = quantized ? v_scales->data_ptr<float>() : nullptr;
   TORCH_CHECK(block_table.scalar_type() == torch::kLong && row_seq.scalar_type() == torch::kLong &&
               row_last.scalar_type() == torch::kLong, "block_table, row_seq and row_last must be int64");
   auto table = block_table.contiguous();
@@ -151,14 +212,21 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   }
   // a batch-1 decode step is ~100K multiply-adds: cheaper on this thread than a fork/join of the pool
   const int64_t grain = positions * H * D < (int64_t{1} << 18) ? T * Hk : 1;
+  const auto cache_type = k_cache.scalar_type();
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
     AT_DISPATCH_CASE(at::kFloat, [&] {
-      attend_rows<float>(q, k_cache, v_cache, tp, sp, lp, B, G, scale, window, grain, out);
+      if (!quantized) attend_rows<float, float>(q, k_cache, v_cache, ksp, vsp, tp, sp, lp, B, G, scale, window, grain, out);
+      else if (cache_type == torch::kByte)
+        attend_rows<float, uint8_t>(q, k_cache, v_cache, ksp, vsp, tp, sp, lp, B, G, scale, window, grain, out);
+      else attend_rows<float, int8_t>(q, k_cache, v_cache, ksp, vsp, tp, sp, lp, B, G, scale, window, grain, out);
     })
-    AT_DISPATCH_CASE(at::kBFloat16,
-                     [&] {
-                       attend_rows<at::BFloat16>(q, k_cache, v_cache, tp, sp, lp, B, G, scale, window, grain, out);
-                     }));
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      using B16 = at::BFloat16;
+      if (!quantized) attend_rows<B16, B16>(q, k_cache, v_cache, ksp, vsp, tp, sp, lp, B, G, scale, window, grain, out);
+      else if (cache_type == torch::kByte)
+        attend_rows<B16, uint8_t>(q, k_cache, v_cache, ksp, vsp, tp, sp, lp, B, G, scale, window, grain, out);
+      else attend_rows<B16, int8_t>(q, k_cache, v_cache, ksp, vsp, tp, sp, lp, B, G, scale, window, grain, out);
+    }));
   return out;
 }
 
@@ -461,6 +529,105 @@ torch::Tensor fake_quant_tokens(torch::Tensor x, bool fp8) {
   return out;
 }
 
+namespace {
+
+// One head of K or V into the quantized cache: scale = max|x| / qmax (or the calibrated `fixed` scale when > 0),
+// stored = x / scale saturated to E4M3's +-448, or rounded half-even to [-127, 127] -- the operations of
+// qtoolkit/model/kv_quant.py quantize, so both paths write the same bytes.
+inline void quantize_head(const float* x, int64_t D, bool fp8, float fixed, uint8_t* out, float* scale_out) {
+  float scale = fixed;
+  if (scale <= 0.f) {
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+    scale = std::max(amax / (fp8 ? 448.f : 127.f), std::numeric_limits<float>::epsilon());
+  }
+  *scale_out = scale;
+  for (int64_t d = 0; d < D; ++d) {
+    const float y = x[d] / scale;
+    if (fp8) out[d] = c10::Float8_e4m3fn(std::min(std::max(y, -448.f), 448.f)).x;
+    else reinterpret_cast<int8_t*>(out)[d] = static_cast<int8_t>(std::min(std::max(std::nearbyint(y), -127.f), 127.f));
+  }
+}
+
+template <typename T>
+void rope_and_cache_quant_impl(const T* qkv, int64_t T_, int64_t H, int64_t Hk, int64_t D, const T* cos, const T* sin,
+                               const int64_t* slots, uint8_t* kc, uint8_t* vc, float* ks, float* vs, const float* kfix,
+                               const float* vfix, bool fp8, T* q) {
+  const int64_t half = D / 2, width = (H + 2 * Hk) * D;
+  at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> rot(D);
+    std::vector<float> f(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = qkv + t * width;
+      const T* c = cos + t * half;
+      const T* s = sin + t * half;
+      for (int64_t h = 0; h < H; ++h) rope_head(row + h * D, c, s, half, q + (t * H + h) * D);
+      for (int64_t h = 0; h < Hk; ++h) {
+        const int64_t slot = slots[t] * Hk + h;
+        rope_head(row + (H + h) * D, c, s, half, rot.data());  // rounded to T first, as the torch path's k is
+        for (int64_t d = 0; d < D; ++d) f[d] = to_f(rot[d]);
+        quantize_head(f.data(), D, fp8, kfix ? kfix[h] : 0.f, kc + slot * D, ks + slot);
+        const T* v = row + (H + Hk + h) * D;
+        for (int64_t d = 0; d < D; ++d) f[d] = to_f(v[d]);
+        quantize_head(f.data(), D, fp8, vfix ? vfix[h] : 0.f, vc + slot * D, vs + slot);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// rope_and_cache into a quantized cache: caches uint8 (fp8 = true: E4M3 bytes) or int8 [num_blocks, block_size, Hk,
+// D], scales fp32 [num_blocks, block_size, Hk]; k_static/v_static fp32 [Hk] (calibrated) replace the dynamic scales.
+torch::Tensor rope_and_cache_quant(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                                   torch::Tensor v_cache, torch::Tensor k_scales, torch::Tensor v_scales,
+                                   torch::Tensor slots, int64_t H, int64_t Hk, bool fp8,
+                                   c10::optional<torch::Tensor> k_static, c10::optional<torch::Tensor> v_static) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be a contiguous [T, width] tensor");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == (fp8 ? torch::kByte : torch::kChar) &&
+              v_cache.scalar_type() == k_cache.scalar_type(), "an FP8 cache is uint8, an int8 cache int8");
+  TORCH_CHECK(qkv.scalar_type() == torch::kFloat || qkv.scalar_type() == torch::kBFloat16, "qkv must be fp32 or bf16");
+  const int64_t T_ = qkv.size(0), D = k_cache.size(-1);
+  TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (H + 2 * Hk) * D && k_cache.size(-2) == Hk, "shapes do not match");
+  const int64_t capacity = k_cache.numel() / (Hk * D);
+  TORCH_CHECK(k_scales.scalar_type() == torch::kFloat && v_scales.scalar_type() == torch::kFloat &&
+              k_scales.is_contiguous() && v_scales.is_contiguous() && k_scales.numel() == capacity * Hk &&
+              v_scales.numel() == capacity * Hk, "scales must be contiguous fp32 [num_blocks, block_size, Hk]");
+  const float* kfix = nullptr;
+  const float* vfix = nullptr;
+  torch::Tensor kst, vst;
+  if (k_static.has_value() && k_static->defined()) {
+    TORCH_CHECK(v_static.has_value() && v_static->defined(), "give both static scales or neither");
+    kst = k_static->to(torch::kFloat).contiguous();
+    vst = v_static->to(torch::kFloat).contiguous();
+    TORCH_CHECK(kst.numel() == Hk && vst.numel() == Hk, "static scales must be [Hk]");
+    kfix = kst.data_ptr<float>();
+    vfix = vst.data_ptr<float>();
+  }
+  auto c = cos.to(qkv.scalar_type()).contiguous();
+  auto s = sin.to(qkv.scalar_type()).contiguous();
+  TORCH_CHECK(c.numel() == T_ * D / 2 && s.numel() == T_ * D / 2, "cos/sin must be [T, D/2]");
+  auto sl = slots.contiguous();
+  TORCH_CHECK(sl.scalar_type() == torch::kLong && sl.numel() == T_, "slots must be int64 [T]");
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "slot out of range");
+  auto q = torch::empty({T_, H, D}, qkv.options());
+  auto* kc = static_cast<uint8_t*>(k_cache.data_ptr());
+  auto* vc = static_cast<uint8_t*>(v_cache.data_ptr());
+  float* ks = k_scales.data_ptr<float>();
+  float* vs = v_scales.data_ptr<float>();
+  if (qkv.scalar_type() == torch::kFloat) {
+    rope_and_cache_quant_impl<float>(qkv.data_ptr<float>(), T_, H, Hk, D, c.data_ptr<float>(), s.data_ptr<float>(),
+                                     sp, kc, vc, ks, vs, kfix, vfix, fp8, q.data_ptr<float>());
+  } else {
+    using B = at::BFloat16;
+    rope_and_cache_quant_impl<B>(qkv.data_ptr<B>(), T_, H, Hk, D, c.data_ptr<B>(), s.data_ptr<B>(), sp, kc, vc, ks, vs,
+                                 kfix, vfix, fp8, q.data_ptr<B>());
+  }
+  return q;
+}
+
 // kernels/cpu_decode.cpp includes this file to call its ops from C++, with its own module
 #ifndef QTOOLKIT_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -469,7 +636,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache, "RoPE on q and k, k and v written into the paged cache");
   m.def("paged_attention", &paged_attention, "decode/verify attention over the paged KV cache", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("row_seq"), py::arg("row_last"),
-        py::arg("scale"), py::arg("window") = 0);
+        py::arg("scale"), py::arg("window") = 0, py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
+  m.def("rope_and_cache_quant", &rope_and_cache_quant,
+        "RoPE on q and k, k and v quantized (FP8 E4M3 or int8, a scale per token and KV head) into the paged cache",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scales"),
+        py::arg("v_scales"), py::arg("slots"), py::arg("H"), py::arg("Hk"), py::arg("fp8"),
+        py::arg("k_static") = py::none(), py::arg("v_static") = py::none());
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm, returns (normed, residual)");
   m.def("dense_gemv", &dense_gemv, "fp32 x fp32/bf16 weight matmul for small batches");
 }

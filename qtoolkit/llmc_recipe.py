@@ -28,8 +28,9 @@ META_KEY = "qtoolkit"
 META_FIELDS = ("name", "description", "precision", "calibration", "gates")
 ARGS_FIELDS = ("num_bits", "type", "strategy", "group_size", "symmetric", "dynamic", "scale_dtype", "observer",
                "actorder")
-MODIFIER_KEYS = {"config_groups", "scheme", "targets", "ignore", "dampening_frac", "block_size", "group",
-                 "index", "start", "end", "update"}
+MODIFIER_KEYS = {"config_groups", "scheme", "targets", "ignore", "dampening_frac", "block_size", "kv_cache_scheme",
+                 "group", "index", "start", "end", "update"}
+KV_FIELDS = ("num_bits", "type", "strategy", "dynamic", "symmetric")  # recipe.KVCacheScheme's fields
 GROUP_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
 # what llm-compressor derives itself and writes into the recipe.yaml it saves beside a checkpoint
 DERIVED_KEYS = {"requires_calibration_data", "zp_dtype"}
@@ -137,6 +138,16 @@ def to_internal(data: dict, lines: dict[tuple, int], source: str) -> tuple[dict[
     for k in ("dampening_frac", "block_size"):
         if args.get(k) is not None:
             q[k], remap[("quantization", k)] = args[k], (*base, k)
+    if not _unset(args.get("kv_cache_scheme")):
+        raw, kv_path = args["kv_cache_scheme"], (*base, "kv_cache_scheme")
+        unknown = [k for k, v in raw.items() if k not in KV_FIELDS and k not in DERIVED_KEYS and not _unset(v)]
+        if unknown:
+            raise _fail(lines, source, (*kv_path, unknown[0]), f"kv_cache_scheme.{unknown[0]} is not mapped by "
+                        f"qtoolkit: remove it (qtoolkit reads {', '.join(KV_FIELDS)})")
+        q["kv_cache_scheme"] = {k: v for k, v in raw.items() if k in KV_FIELDS and v is not None}
+        remap[("quantization", "kv_cache_scheme")] = kv_path
+        for k in raw:
+            remap[("quantization", "kv_cache_scheme", k)] = (*kv_path, k)
     if args.get("config_groups") and args.get("scheme"):
         raise _fail(lines, source, (*base, "scheme"), "give `scheme` or `config_groups`, not both")
     if args.get("config_groups"):
@@ -156,7 +167,7 @@ def to_internal(data: dict, lines: dict[tuple, int], source: str) -> tuple[dict[
            "quantization": q}
     meta = data.get(META_KEY) or {}
     out.update({k: meta[k] for k in META_FIELDS if k in meta})
-    if mtype == "GPTQModifier" and "calibration" not in out:
+    if (mtype == "GPTQModifier" or "kv_cache_scheme" in q) and "calibration" not in out:
         out["calibration"] = {}  # qtoolkit's calibration defaults; `--calibration`/`--num-samples` override them
     new_lines = {k: v for k, v in lines.items() if k and k[0] == META_KEY}
     new_lines.update({k[1:]: v for k, v in new_lines.items()})
@@ -234,6 +245,8 @@ def to_llmc(r: Recipe) -> dict[str, Any]:
         groups["group_head"] = {"targets": ["lm_head"], "weights": _clean(head["weights"])}
     args: dict[str, Any] = {"config_groups": groups, "ignore": q.body_ignore()}
     args.update({k: getattr(q, k) for k in ("dampening_frac", "block_size") if getattr(q, k) is not None})
+    if q.kv_cache_scheme is not None:
+        args["kv_cache_scheme"] = q.kv_cache_scheme.model_dump()
     meta: dict[str, Any] = {"name": r.name, "description": r.description, "precision": r.precision}
     if r.calibration is not None:
         meta["calibration"] = r.calibration.model_dump()

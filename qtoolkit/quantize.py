@@ -94,12 +94,14 @@ def _build_modifier(r: Recipe):
     if head:  # an exact module name outranks a class target in compressed-tensors' matching
         groups["group_head"] = QuantizationScheme(targets=["lm_head"], weights=args(head["weights"]),
                                                   input_activations=args(head["input_activations"]))
+    # llm-compressor calibrates the KV scales on the recipe's data and saves them as self_attn.k_scale / v_scale
+    kv = {"kv_cache_scheme": QuantizationArgs(**q.kv_cache_scheme.model_dump())} if q.kv_cache_scheme else {}
     if q.modifier == "GPTQModifier":
         extra = {k: v for k, v in {"dampening_frac": q.dampening_frac, "block_size": q.block_size}.items()
                  if v is not None}
-        return GPTQModifier(config_groups=groups, ignore=q.body_ignore(), **extra)
+        return GPTQModifier(config_groups=groups, ignore=q.body_ignore(), **extra, **kv)
 
-    return QuantizationModifier(config_groups=groups, ignore=q.body_ignore())
+    return QuantizationModifier(config_groups=groups, ignore=q.body_ignore(), **kv)
 
 
 def _cast_scales(model, r: Recipe) -> None:
@@ -242,6 +244,8 @@ def quantize(model: str | os.PathLike = "default", recipe: str | os.PathLike = "
                        "modifier": r.quantization.modifier, "scheme": r.quantization.scheme,
                        "resolved": r.resolved_scheme(), "head": r.resolved_head(), "targets": r.quantization.targets,
                        "ignore": r.quantization.ignore,
+                       "kv_cache_scheme": r.quantization.kv_cache_scheme.model_dump()
+                       if r.quantization.kv_cache_scheme else None,
                        "calibration": r.calibration.model_dump() if r.calibration else None},
             "model": src.describe(),
             "output": str(output.resolve()),

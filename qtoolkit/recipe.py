@@ -77,6 +77,18 @@ class HeadSection(_Strict):
         return _preset(v)
 
 
+class KVCacheScheme(_Strict):
+    """llm-compressor's `kv_cache_scheme`: 8-bit K and V with static scales calibrated on the recipe's calibration
+    data, written as `self_attn.k_scale` / `v_scale` with the scheme in the checkpoint's quantization_config, where
+    vLLM (`--kv-cache-dtype fp8`) and qtoolkit's engine (`--kv-cache-dtype fp8|int8`) read them."""
+
+    num_bits: Literal[8] = 8
+    type: Literal["float", "int"] = "float"
+    strategy: Literal["tensor", "attn_head"] = "tensor"
+    dynamic: Literal[False] = False  # scales are calibrated: a dynamic cache needs no recipe (the engine's default)
+    symmetric: Literal[True] = True
+
+
 class QuantizationSection(_Strict):
     modifier: Literal["QuantizationModifier", "GPTQModifier", "BitsAndBytes"]
     scheme: str | None = None
@@ -89,6 +101,7 @@ class QuantizationSection(_Strict):
     block_size: int | None = Field(default=None, gt=0)
     bnb: BnbOptions | None = None
     head: HeadSection | None = None  # quantize lm_head too, with its own scheme (it overrides `ignore` for it)
+    kv_cache_scheme: KVCacheScheme | None = None  # calibrated 8-bit KV cache scales (needs `calibration`)
 
     @field_validator("scheme")
     @classmethod
@@ -239,9 +252,9 @@ def _check_consistency(r: Recipe) -> None:
     """Checks that need several fields at once (the schema checks each field alone)."""
     q = r.quantization
     if q.modifier == "BitsAndBytes":
-        if q.scheme or q.weights or q.input_activations or q.head:
+        if q.scheme or q.weights or q.input_activations or q.head or q.kv_cache_scheme:
             raise RecipeError(f"{r.line_of('quantization', 'modifier')}: BitsAndBytes takes `bnb:` options, "
-                              "not `scheme`/`weights`/`head`: remove them")
+                              "not `scheme`/`weights`/`head`/`kv_cache_scheme`: remove them")
         return
     if not q.scheme and not q.weights:
         raise RecipeError(f"{r.line_of('quantization')}: give a `scheme` (e.g. W4A16, FP8_DYNAMIC) or `weights`")
@@ -262,6 +275,9 @@ def _check_consistency(r: Recipe) -> None:
     if w.get("strategy") != "group" and q.weights and q.weights.group_size:
         raise RecipeError(f"{r.line_of('quantization', 'weights', 'group_size')}: group_size needs "
                           "`strategy: group`")
+    if q.kv_cache_scheme is not None and r.calibration is None:
+        raise RecipeError(f"{r.line_of('quantization', 'kv_cache_scheme')}: kv_cache_scheme's scales are calibrated: "
+                          "add a `calibration:` section (dataset, num_samples)")
     if q.modifier == "GPTQModifier" and r.calibration is None:
         raise RecipeError(f"{r.line_of('quantization', 'modifier')}: GPTQModifier needs a `calibration:` section "
                           "(dataset, num_samples)")

@@ -21,9 +21,12 @@ from .evals.prompts import user_message
 if TYPE_CHECKING:
     from .workload_files import FileWorkload
 
-WORKLOADS = ("code", "summarization", "mixed")
+WORKLOADS = ("code", "summarization", "mixed", "long")
 # Code completions run longer than one-sentence summaries; the mixed workload averages to the requested mean.
-_LENGTH_FACTOR = {"code": 1.25, "summarization": 0.75}
+_LENGTH_FACTOR = {"code": 1.25, "summarization": 0.75, "long": 1.0}
+# `long`: ~2k-token documents (consecutive ACLSum abstracts) under one question, the regime where the KV cache,
+# not the weights, limits concurrency
+_LONG_DOCUMENT_CHARS = 10000  # ~2k tokens of English prose
 _LENGTH_SIGMA = 0.6
 _MIN_OUTPUT_TOKENS = 4
 
@@ -51,6 +54,21 @@ def summarization_prompts(split: str = "test") -> tuple[str, ...]:
     return tuple(user_message(d["abstract"], "outcome") for d in aclsum_items(split))
 
 
+@cache
+def long_document_prompts(split: str = "test") -> tuple[str, ...]:
+    """One prompt per abstract: it and the abstracts after it, up to ~2k tokens, under the outcome question."""
+    abstracts = [d["abstract"] for d in aclsum_items(split)]
+    prompts = []
+    for i in range(len(abstracts)):
+        parts, size, j = [], 0, i
+        while size < _LONG_DOCUMENT_CHARS:
+            parts.append(abstracts[j % len(abstracts)])
+            size += len(parts[-1]) + 2
+            j += 1
+        prompts.append(user_message("\n\n".join(parts), "outcome"))
+    return tuple(prompts)
+
+
 def output_lengths(kind: str, n: int, rng: np.random.Generator, mean_tokens: int, max_tokens: int) -> list[int]:
     """Lognormal output lengths with the given mean for this kind, clipped to [4, max_tokens]."""
     mean = mean_tokens * _LENGTH_FACTOR[kind]
@@ -74,6 +92,8 @@ def build_workload(name: str | FileWorkload, num_requests: int, *, seed: int = 0
     else:
         kinds = [name] * num_requests
     pools = {"code": code_prompts(), "summarization": summarization_prompts()}
+    if name == "long":
+        pools = {"long": long_document_prompts()}
     orders = {k: rng.permutation(len(pool)) for k, pool in pools.items()}
     taken = {k: 0 for k in pools}
     requests = []

@@ -121,7 +121,9 @@ def test_llm_compressor_preset_and_groups_layouts():
     (LLMC.replace("QuantizationModifier", "QuantModifier"), 3, "use QuantizationModifier"),
     (LLMC.replace("scheme: W4A16", "scheme: W9A99"), 6, "preset scheme name"),
     (LLMC + "    SmoothQuantModifier:\n      smoothing_strength: 0.5\n", 7, "one quantization modifier"),
-    (LLMC + "      kv_cache_scheme: {num_bits: 8, type: float}\n", 7, "kv_cache_scheme is not mapped"),
+    (LLMC + "      kv_cache_scheme: {num_bits: 8, type: float, group_size: 16}\n", 7,
+     "kv_cache_scheme.group_size is not mapped"),
+    (LLMC + "      kv_cache_scheme: {num_bits: 4, type: int}\n", 7, "num_bits"),
     (GROUPS.replace("num_bits: 4", "num_bits: four"), 11, "valid integer"),
     (GROUPS.replace("num_bits: 4", "num_bits: 5"), 11, "num_bits in"),
     (GROUPS.replace("symmetric: false", "symmetric: false\n            observer_kwargs: {a: 1}"), 16,
@@ -160,3 +162,21 @@ def test_llm_compressor_canary_quantizes_through_the_cli(tiny_model_dir, tmp_pat
     logger.info("still-here")  # quantize left the application's loguru sinks in place
     logger.remove(sink)
     assert seen and seen[-1].strip() == "still-here"
+
+
+def test_llm_compressor_kv_cache_scheme_is_honoured():
+    """kv_cache_scheme maps verbatim, brings qtoolkit's calibration defaults (its scales are calibrated) and is
+    written back into the llm-compressor recipe."""
+    text = LLMC + "      kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, dynamic: false, symmetric: true}\n"
+    r = parse_recipe(text, source="kv.yaml")
+    assert r.quantization.kv_cache_scheme.model_dump() == {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                           "dynamic": False, "symmetric": True}
+    assert r.calibration is not None
+    written = yaml.safe_load(dump_llmc(r))["quant_stage"]["quant_modifiers"]["QuantizationModifier"]
+    assert written["kv_cache_scheme"]["type"] == "float"
+    assert parse_recipe(dump_llmc(r), source="back.yaml").quantization.kv_cache_scheme == r.quantization.kv_cache_scheme
+    shipped = load_recipe("fp8-dynamic-kv8")
+    assert shipped.quantization.kv_cache_scheme.type == "float" and shipped.calibration is not None
+    with pytest.raises(RecipeError, match="calibration"):
+        parse_recipe("version: 1\nname: x\nquantization:\n  modifier: QuantizationModifier\n  scheme: FP8_DYNAMIC\n"
+                     "  kv_cache_scheme: {num_bits: 8}\n", source="nocal.yaml")

@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batching", type=_modes, default=["continuous"],
                    help="static, continuous, or static,continuous to measure both (and their ratio) in one run")
     p.add_argument("--workload", default="mixed",
-                   help="code, summarization, mixed, or your own workload file(s) FILE.jsonl[,FILE2.jsonl] "
+                   help="code, summarization, mixed, long (~2k-token documents: the KV-cache-bound regime), or your own "
+                        "workload file(s) FILE.jsonl[,FILE2.jsonl] "
                         "(prompt or messages per line; max_tokens per line, else the answer length measured on "
                         "the first system)")
     p.add_argument("--request-rate", "--rate", dest="rate", type=float, default=None,

@@ -51,6 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log_samples", "--log-samples", dest="log_samples", action="store_true",
                    help="lm-eval: keep every document's prompt, response and metrics in --output "
                         "(lm-eval's --log_samples)")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,fp8,int8}",
+                   help="the candidate engine's KV cache storage (auto: the model's dtype); with --baseline the same "
+                        "model, the deltas are what the quantized cache alone costs")
+    p.add_argument("--baseline-kv-cache-dtype", default="auto", metavar="{auto,fp8,int8}",
+                   help="the baseline engine's KV cache storage")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling and the bootstrap")
     p.add_argument("--output", "-o", default="eval.json", help="results JSON (written incrementally; a rerun resumes)")
     p.add_argument("--overwrite", action="store_true", help="discard existing results in --output instead of resuming")
@@ -99,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = EvalConfig(model=args.model, baseline=args.baseline, tasks=tasks, output=args.output,
                      limit=args.limit, backend=args.backend, endpoint=endpoint,
                      baseline_endpoint=baseline_endpoint, seed=args.seed, overwrite=args.overwrite,
-                     task_options=options, model_id=args.candidate_model_id, baseline_model_id=args.baseline_model_id)
+                     task_options=options, model_id=args.candidate_model_id, baseline_model_id=args.baseline_model_id,
+                     kv_cache_dtype=args.kv_cache_dtype, baseline_kv_cache_dtype=args.baseline_kv_cache_dtype)
     results = evaluate(cfg)
     for line in summary_lines(results):
         print(line)

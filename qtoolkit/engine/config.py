@@ -20,6 +20,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "m
 BATCHING_MODES = ("continuous", "static")
 # speculative.policy.DEFAULT_MAX_VERIFY_TOKENS (a test checks they agree): importing it here would load torch
 DEFAULT_MAX_VERIFY_TOKENS = 8
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # model.kv_quant.KV_CACHE_DTYPES (a test checks they agree)
 
 
 def parse_memory(value: str | int) -> int:
@@ -42,6 +43,10 @@ def _flag(help_text: str, **argparse_kwargs: Any) -> dict[str, Any]:
 class EngineConfig:
     kv_cache_memory: str | int = field(default="1GiB", metadata=_flag(
         "memory for the paged KV cache, e.g. 512MiB, 2GiB"))
+    kv_cache_dtype: str = field(default="auto", metadata=_flag(
+        "KV cache storage: auto (the model's dtype), fp8 (E4M3) or int8, with one scale per token and KV head "
+        "(a checkpoint's calibrated k_scale/v_scale when it has them); fp8/int8 fit ~4x the tokens of fp32",
+        metavar="{auto,fp8,int8}"))
     block_size: int = field(default=16, metadata=_flag("tokens per KV cache block", type=int))
     max_num_seqs: int = field(default=64, metadata=_flag("most sequences the engine runs at once", type=int))
     max_num_batched_tokens: int = field(default=1024, metadata=_flag("token budget of one engine step", type=int))
@@ -70,6 +75,9 @@ class EngineConfig:
                                                                        self.num_speculative_tokens))
         if not _positive_int(self.max_verify_tokens):
             raise SpeculativeConfigError(f"max_verify_tokens must be positive, got {self.max_verify_tokens}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineInputError(f"kv_cache_dtype {self.kv_cache_dtype!r} is unknown: use one of "
+                                   f"{', '.join(KV_CACHE_DTYPES)}")
         if self.batching not in BATCHING_MODES:
             raise EngineInputError(f"batching {self.batching!r} is unknown: use continuous or static")
         if not all(map(_positive_int, (self.block_size, self.max_num_seqs, self.max_num_batched_tokens))):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -36,6 +37,8 @@ from .speculative import (
 )
 from .stats import EngineStats, SpeculativeStats
 
+log = logging.getLogger(__name__)
+
 
 class EngineCapacityError(QToolError):
     """The KV cache is too small for what was asked."""
@@ -54,16 +57,20 @@ class Engine:
         self.model_name = self.source.name
         self.tokenizer = AutoTokenizer.from_pretrained(self.source.path)
         self.model = load_model(self.source, dtype)
-        num_blocks = config.kv_cache_bytes // kv_bytes_per_block(self.model, block_size)
+        block_bytes = kv_bytes_per_block(self.model, block_size, config.kv_cache_dtype)
+        num_blocks = config.kv_cache_bytes // block_bytes
         if num_blocks < 2:
             raise EngineCapacityError(f"kv_cache_memory {config.kv_cache_memory} holds {num_blocks} KV blocks: "
-                                      f"give it at least {2 * kv_bytes_per_block(self.model, block_size)} bytes")
+                                      f"give it at least {2 * block_bytes} bytes")
+        self.kv_bytes_per_token = block_bytes // block_size
+        log.info("KV cache: %s, %d blocks of %d tokens = %d tokens in %s (%d bytes a token)", config.kv_cache_dtype,
+                 num_blocks, block_size, num_blocks * block_size, config.kv_cache_memory, self.kv_bytes_per_token)
         self.max_model_len = min(self.model.config.max_position_embeddings, num_blocks * block_size,
                                  config.max_model_len or 1 << 62)
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, batching=config.batching)
-        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, config.kv_cache_dtype)
         # when every layer slides a window, blocks wholly behind the smallest one are freed as sequences advance
         windows = [self.model.config.layer_window(i) for i in range(self.model.config.num_layers)]
         self.kv_window = None if None in windows else min(windows)
@@ -329,6 +336,7 @@ class Engine:
             num_waiting=len(self.scheduler.waiting) + sum(1 for k, _ in self._inbox if k == "add"),
             kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_blocks - bm.num_free_blocks,
             kv_blocks_free=bm.num_free_blocks, block_size=bm.block_size,
+            kv_cache_dtype=self.config.kv_cache_dtype, kv_bytes_per_token=self.kv_bytes_per_token,
             num_preemptions=self.scheduler.num_preemptions, prefix_cache_hit_tokens=bm.num_prefix_hits,
             **self.counters, speculative=self._speculative_stats())
 

@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 from qtoolkit.kernels.cpu_build import engine_ops
 
+from ..model.kv_quant import KV_CACHE_DTYPES, SCALE_BYTES, STORAGE
 from ..model.llama import AttentionGroup, ForwardBatch, LlamaModel
 from .sequence import Sequence
 
@@ -48,22 +49,45 @@ class StepOutput:
     aux: list[torch.Tensor] | None = None  # per feed: [its rows, 3 * hidden] target features, when asked for
 
 
-def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one block's K and V over all layers: values in the model's dtype, or FP8/int8 bytes plus one
+    fp32 scale per token and KV head."""
     c = model.config
-    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(model.dtype).bits // 8
+    per_head = c.head_dim * torch.finfo(model.dtype).bits // 8 if kv_cache_dtype == "auto" else \
+        c.head_dim + SCALE_BYTES
+    return 2 * c.num_layers * block_size * c.num_kv_heads * per_head
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_cache: torch.Tensor | None = None):
-        """`kv_cache`: another runner's cache to read and write (a self-draft sharing the target's)."""
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto",
+                 shared: ModelRunner | None = None):
+        """`kv_cache_dtype`: auto (the model's dtype), fp8 or int8. `shared`: another runner whose cache this one
+        reads and writes (a self-draft sharing the target's), its dtype and scales included."""
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
         c = model.config
-        # zeros, not empty: padded block-table entries and masked slots are still read by attention,
-        # and 0 * NaN garbage would poison the softmax-weighted sum
-        self.kv_cache = kv_cache if kv_cache is not None else torch.zeros(
-            c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=model.dtype)
+        if shared is not None:
+            self.kv_cache_dtype, self.kv_cache, self.kv_scales = shared.kv_cache_dtype, shared.kv_cache, shared.kv_scales
+        else:
+            if kv_cache_dtype not in KV_CACHE_DTYPES:
+                raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is unknown: use {', '.join(KV_CACHE_DTYPES)}")
+            self.kv_cache_dtype = kv_cache_dtype
+            quantized = kv_cache_dtype != "auto"
+            # zeros, not empty: padded block-table entries and masked slots are still read by attention,
+            # and 0 * NaN garbage would poison the softmax-weighted sum
+            self.kv_cache = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                                        dtype=STORAGE[kv_cache_dtype] if quantized else model.dtype)
+            self.kv_scales = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads) if quantized \
+                else None
+        kind = None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         for i, layer in enumerate(model.layers):
-            layer.attn.k_cache, layer.attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            attn = layer.attn
+            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            attn.kv_kind = kind
+            if kind is not None:
+                attn.k_scales, attn.v_scales = self.kv_scales[i, 0], self.kv_scales[i, 1]
+            # a checkpoint's calibrated scales serve the cache they were calibrated for; otherwise dynamic ones
+            calibrated = attn.kv_calibrated
+            attn.kv_static = calibrated if calibrated is not None and calibrated.kind == kind else None
         self.group = c.num_heads // c.num_kv_heads
         self.windows = sorted({w for i in range(c.num_layers) if (w := c.layer_window(i)) is not None})
         # decode and verify rows attend in place over the paged cache when the CPU ops are built

@@ -47,6 +47,8 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
     block_size: int = 0
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8 or int8
+    kv_bytes_per_token: int = 0  # K and V over all layers, scales included
     num_preemptions: int = 0
     prefix_cache_hit_tokens: int = 0
     prompt_tokens: int = 0
@@ -54,6 +56,11 @@ class EngineStats:
     steps: int = 0
     requests_finished: int = 0
     speculative: SpeculativeStats | None = None  # None when the engine does not speculate
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV cache holds."""
+        return self.kv_blocks_total * self.block_size
 
     @property
     def kv_cache_usage(self) -> float:

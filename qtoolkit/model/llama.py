@@ -25,6 +25,7 @@ from transformers.activations import ACT2FN
 
 from ..errors import ModelSourceError
 from .decode_plan import DecodePlan, build_plan, cache_key
+from .kv_quant import StaticKVScales, dequantize, quantize
 from .moe import MoEConfig, SparseMoE
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
@@ -236,6 +237,12 @@ class Attention(nn.Module):
         self.q_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_cache = self.v_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, D], set by the runner
+        # a quantized cache (set by the runner): kv_kind "fp8" (E4M3 bytes as uint8) or "int8", with one fp32 scale
+        # per slot and KV head in k_scales / v_scales [num_blocks, block_size, kv_heads]
+        self.kv_kind: str | None = None
+        self.k_scales = self.v_scales = torch.empty(0)
+        self.kv_calibrated: StaticKVScales | None = None  # a checkpoint's k_scale / v_scale, set by the loader
+        self.kv_static: StaticKVScales | None = None  # the calibrated scales the cache uses (runner's choice)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, H, Hk, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -243,7 +250,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qkv = self._qk_norm(qkv)
         ops = engine_ops() if self.k_cache.device.type == "cpu" and qkv.dtype == self.k_cache.dtype else None
-        if ops is not None:
+        if self.kv_kind is not None:
+            q = self._rope_and_cache_quantized(qkv, cos, sin, batch)
+        elif ops is not None:
             q = ops.rope_and_cache(qkv.contiguous(), cos, sin, self.k_cache, self.v_cache, batch.slot_mapping, H, Hk)
         else:
             qk = apply_rope(qkv[:, :(H + Hk) * D].view(T, H + Hk, D), cos, sin)  # q and k rotated in one go
@@ -259,6 +268,34 @@ class Attention(nn.Module):
             out[group.rows] = o if group.scatter is None else o.index_select(0, group.scatter)
         return self.o_proj.forward(out)
 
+    def _rope_and_cache_quantized(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                  batch: ForwardBatch) -> torch.Tensor:
+        """Rotated q [T, H, D]; the rotated k and v go into the cache quantized (kv_quant.py's operations)."""
+        T, H, Hk, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        static = self.kv_static
+        ops = engine_ops() if self.k_cache.device.type == "cpu" else None
+        if ops is not None:
+            return ops.rope_and_cache_quant(qkv.contiguous(), cos, sin, self.k_cache, self.v_cache, self.k_scales,
+                                            self.v_scales, batch.slot_mapping, H, Hk, self.kv_kind == "fp8",
+                                            None if static is None else static.k, None if static is None else static.v)
+        qk = apply_rope(qkv[:, :(H + Hk) * D].view(T, H + Hk, D), cos, sin)
+        v = qkv[:, (H + Hk) * D:].view(T, Hk, D)
+        for x, cache, scales, fixed in ((qk[:, H:], self.k_cache, self.k_scales, static and static.k),
+                                        (v, self.v_cache, self.v_scales, static and static.v)):
+            values, scale = quantize(x, self.kv_kind, fixed)
+            cache.view(-1, Hk, D).index_copy_(0, batch.slot_mapping, values)
+            scales.view(-1, Hk).index_copy_(0, batch.slot_mapping, scale)
+        return qk[:, :H]
+
+    def _cached(self, which: str, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The K or V cache's `blocks` [n, block_size, kv_heads, D] in `dtype` (dequantized when quantized)."""
+        cache = self.k_cache if which == "k" else self.v_cache
+        values = cache.index_select(0, blocks)
+        if self.kv_kind is None:
+            return values
+        scales = (self.k_scales if which == "k" else self.v_scales).index_select(0, blocks)
+        return dequantize(values, scales, self.kv_kind, dtype)
+
     def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
         """q|k|v with q and k normalised per head; v passes through."""
         T, H, Hk, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -268,16 +305,18 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         if g.row_seq is not None:
+            scaled = self.kv_kind is not None
             return engine_ops().paged_attention(q[g.rows], self.k_cache, self.v_cache, g.block_table, g.row_seq,
-                                                g.row_last, self.scale, self.window or 0)
+                                                g.row_last, self.scale, self.window or 0,
+                                                self.k_scales if scaled else None, self.v_scales if scaled else None)
         S, Q, Hk, G, D = g.num_seqs, g.q_len, self.num_kv_heads, self.group, self.head_dim
         qg = q[g.rows] if g.gather is None else q[g.rows].index_select(0, g.gather)
         # GQA without repeating K/V: the G query heads sharing a KV head become G*Q query rows
         qg = qg.reshape(S, Q, Hk, G, D).permute(0, 2, 3, 1, 4).reshape(S, Hk, G * Q, D)
         blocks = g.block_table.flatten()
         L = g.block_table.shape[1] * self.k_cache.shape[1]
-        k = self.k_cache.index_select(0, blocks).view(S, L, Hk, D).transpose(1, 2)
-        v = self.v_cache.index_select(0, blocks).view(S, L, Hk, D).transpose(1, 2)
+        k = self._cached("k", blocks, q.dtype).view(S, L, Hk, D).transpose(1, 2)
+        v = self._cached("v", blocks, q.dtype).view(S, L, Hk, D).transpose(1, 2)
         mask = g.mask if self.window is None else g.window_masks[self.window]
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
         return o.view(S, Hk, G, Q, D).permute(0, 3, 1, 2, 4).reshape(S * Q, Hk * G * D)

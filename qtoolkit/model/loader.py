@@ -16,6 +16,7 @@ from torch import nn
 from ..errors import ModelSourceError
 from ..sources import ModelSource
 from . import quant_linear
+from .kv_quant import StaticKVScales
 from .llama import DecoderLayer, LlamaModel, ModelConfig
 from .moe import SparseMoE
 from .quant_linear import DenseLinear
@@ -169,6 +170,8 @@ def load_model(source: ModelSource, dtype: str = "auto") -> LlamaModel:
             norm.weight = nn.Parameter(take(name), requires_grad=False)
         layer.attn.qkv_proj = factory.make([attn + "q_proj", attn + "k_proj", attn + "v_proj"])
         layer.attn.o_proj = factory.make([attn + "o_proj"])
+        layer.attn.kv_calibrated = calibrated_kv_scales(tensors, attn, source.quantization_config,
+                                                        config.num_kv_heads)
         if isinstance(layer.mlp, SparseMoE):
             load_moe(layer.mlp, factory, p)
             continue
@@ -182,6 +185,26 @@ def load_model(source: ModelSource, dtype: str = "auto") -> LlamaModel:
         model.lm_head = factory.make(["lm_head"])
     model.cast_rope()
     return model.eval().bind_submodules()
+
+
+def calibrated_kv_scales(tensors: dict[str, torch.Tensor], attn: str, qconfig: dict[str, Any] | None,
+                         num_kv_heads: int) -> StaticKVScales | None:
+    """A layer's calibrated KV cache scales, where compressed-tensors writes them and vLLM reads them:
+    `<layer>.self_attn.k_scale` / `v_scale` (one per tensor, or one per KV head), for the config's
+    `kv_cache_scheme` (8-bit float: an FP8 cache, 8-bit int: an int8 one). None when the checkpoint has none."""
+    scheme = (qconfig or {}).get("kv_cache_scheme")
+    k, v = tensors.get(attn + "k_scale"), tensors.get(attn + "v_scale")
+    if not scheme or k is None or v is None:
+        return None
+    kind = "fp8" if scheme.get("type", "float") == "float" else "int8"
+    heads = []
+    for name, scale in ((attn + "k_scale", k), (attn + "v_scale", v)):
+        flat = scale.float().flatten()
+        if flat.numel() not in (1, num_kv_heads) or not bool(torch.isfinite(flat).all() and (flat > 0).all()):
+            raise ModelSourceError(f"{name} holds {flat.numel()} values: give one positive finite scale, or one "
+                                   f"per KV head ({num_kv_heads})")
+        heads.append(flat.expand(num_kv_heads).contiguous())
+    return StaticKVScales(k=heads[0], v=heads[1], kind=kind)
 
 
 # Per-expert Linear names: (gate, up, down). Qwen3-MoE and llm-compressor's outputs (Mixtral included) use the

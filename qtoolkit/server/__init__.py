@@ -92,6 +92,9 @@ def serve(model: Any = "default", config: EngineConfig | None = None, *, host: s
     check_port_free(host, port)
     status(f"loading {model} ({config.batching} batching, KV cache {config.kv_cache_memory})")
     engine = build_engine_off_main_thread(model, config)
+    st = engine.stats()
+    status(f"KV cache: {st.kv_cache_dtype}, {st.kv_capacity_tokens} tokens fit in {config.kv_cache_memory} "
+           f"({st.kv_bytes_per_token} bytes a token)")
     names = [engine.model_name] + [str(model)] * (str(model) != engine.model_name)
     app = create_app(engine, served_model_names=names, api_key=api_key, max_waiting=max_waiting,
                      max_body_bytes=max_body_bytes, metrics_need_key=metrics_need_key,

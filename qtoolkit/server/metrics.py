@@ -112,6 +112,10 @@ class _EngineCollector:
         yield _gauge("qtool_kv_blocks_used", "KV cache blocks in use", st.kv_blocks_used)
         yield _gauge("qtool_kv_blocks_free", "KV cache blocks free", st.kv_blocks_free)
         yield _gauge("qtool_kv_blocks_total", "KV cache blocks in total", st.kv_blocks_total)
+        yield _gauge("qtool_kv_cache_capacity_tokens", f"Tokens the KV cache holds ({st.kv_cache_dtype} storage)",
+                     st.kv_capacity_tokens)
+        yield _gauge("qtool_kv_cache_bytes_per_token", "KV cache bytes one token costs over all layers, scales included",
+                     st.kv_bytes_per_token)
         yield _gauge("qtool_generation_tokens_per_second",
                      f"Generated tokens per second over the last {_RATE_WINDOW_S} s", self.metrics.rate.rate())
         yield _counter("vllm:num_preemptions", "Sequences preempted since start", st.num_preemptions)

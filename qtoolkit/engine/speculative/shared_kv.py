@@ -39,8 +39,7 @@ class SharedKVDraftProposer:
     def __init__(self, model: LlamaModel, target_runner: ModelRunner, name: str):
         self.name = name
         self.model = model
-        self.runner = ModelRunner(model, target_runner.num_blocks, target_runner.block_size,
-                                  kv_cache=target_runner.kv_cache)
+        self.runner = ModelRunner(model, target_runner.num_blocks, target_runner.block_size, shared=target_runner)
         self.generators: dict[str, torch.Generator] = {}
 
     def _drafting(self, index: int, seq: Sequence, k: int) -> Drafting:
