@@ -113,7 +113,8 @@ class DecodePlan {
       auto qkv = L.qkv(normed[0]);
       auto t2 = Clock::now();
       auto q = qe::rope_and_cache(qkv.contiguous(), cos[L.rope], sin[L.rope], L.k_cache, L.v_cache, slots, H_, Hk_);
-      auto a = qe::paged_attention(q, L.k_cache, L.v_cache, block_table, row_seq, row_last, scale_, L.window);
+      auto a = qe::paged_attention(q, L.k_cache, L.v_cache, block_table, row_seq, row_last, scale_, L.window,
+                                   c10::nullopt, c10::nullopt);  // the plan runs fp32 caches only
       auto t3 = Clock::now();
       auto o = L.o(a);
       auto t4 = Clock::now();

@@ -1,6 +1,7 @@
 """A build killed midway must not hang later runs: torch's `lock` baton file it leaves behind is cleared."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,3 +52,14 @@ def test_instruction_set_is_chosen_at_run_time_not_from_the_build_machine():
     done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
                           capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["DEFAULT", "True"], done.stderr[-1000:]
+
+
+@pytest.mark.skipif(shutil.which("c++") is None or os.environ.get("QTOOLKIT_NO_CPU_EXT") == "1",
+                    reason="no C++ compiler, or the extensions are turned off")
+def test_every_extension_builds_where_the_cpu_allows_it():
+    # the kernel tests skip when an extension is unavailable; a build broken by a change must fail here instead
+    from qtoolkit.kernels.cpu_build import cpu_has_avx2, cpu_kernels, fused_decode
+
+    if not cpu_has_avx2():
+        pytest.skip("no AVX2 on this CPU")
+    assert cpu_kernels() is not None and engine_ops() is not None and fused_decode() is not None
