@@ -238,23 +238,30 @@ def quantize(model: str | os.PathLike = "default", recipe: str | os.PathLike = "
             timings["verify_s"] = time.perf_counter() - t
         layers, totals = _layer_bytes(shapes, safetensors_sizes(src.path), safetensors_sizes(tmp))
         timings["total_s"] = time.perf_counter() - t0
-        report = {
-            **provenance(model=src.describe(), recipe={"name": r.name, "path": r.source, "sha256": r.sha256}),
-            "recipe": {"name": r.name, "sha256": r.sha256, "description": r.description, "method": r.method,
-                       "modifier": r.quantization.modifier, "scheme": r.quantization.scheme,
-                       "resolved": r.resolved_scheme(), "head": r.resolved_head(), "targets": r.quantization.targets,
-                       "ignore": r.quantization.ignore,
-                       "kv_cache_scheme": r.quantization.kv_cache_scheme.model_dump()
-                       if r.quantization.kv_cache_scheme else None,
-                       "calibration": r.calibration.model_dump() if r.calibration else None},
-            "model": src.describe(),
-            "output": str(output.resolve()),
-            "timings": {k: round(v, 2) for k, v in timings.items()},
-            "totals": totals,
-            "smoke_test": {"prompt": SMOKE_PROMPT, "completion": sample} if verify else None,
-            "layers": layers,
-        }
+        smoke = {"prompt": SMOKE_PROMPT, "completion": sample} if verify else None
+        report = _report(r, src, output, timings, totals, layers, smoke)
         write_json(tmp / "quantize_report.json", report)
     status(f"done in {timings['total_s']:.1f}s: linear weights {totals['linear_ratio_vs_bf16']:.3f}x of bf16 "
            f"-> {output}")
     return QuantizeResult(output, report)
+
+
+def _report(r: Recipe, src: ModelSource, output: Path, timings: dict[str, float], totals: dict[str, Any],
+            layers: list[dict[str, Any]], smoke: dict[str, Any] | None) -> dict[str, Any]:
+    """quantize_report.json: what was quantized how, bytes per layer before/after, timings, the smoke completion."""
+    return {
+        **provenance(model=src.describe(), recipe={"name": r.name, "path": r.source, "sha256": r.sha256}),
+        "recipe": {"name": r.name, "sha256": r.sha256, "description": r.description, "method": r.method,
+                   "modifier": r.quantization.modifier, "scheme": r.quantization.scheme,
+                   "resolved": r.resolved_scheme(), "head": r.resolved_head(), "targets": r.quantization.targets,
+                   "ignore": r.quantization.ignore,
+                   "kv_cache_scheme": r.quantization.kv_cache_scheme.model_dump()
+                   if r.quantization.kv_cache_scheme else None,
+                   "calibration": r.calibration.model_dump() if r.calibration else None},
+        "model": src.describe(),
+        "output": str(output.resolve()),
+        "timings": {k: round(v, 2) for k, v in timings.items()},
+        "totals": totals,
+        "smoke_test": smoke,
+        "layers": layers,
+    }
