@@ -115,9 +115,9 @@ class EngineDriver:
             self._give_up(f"the engine thread died: {type(e).__name__}: {e}")
             return
         if self.stopped_reason is not None:
-            self._drain_commands()
+            self._drain_commands(self.stopped_reason)
         else:  # stopped by the server: the last aborts (a shutdown's) still free their KV blocks
-            self._finish_commands()
+            self._drain_commands("the server is shutting down", apply_aborts=True)
 
     def _iterate(self) -> None:
         """One loop iteration; an exception in any part fails the requests it touched, then the loop goes on."""
@@ -229,28 +229,20 @@ class EngineDriver:
         for sink in self._sinks.values():
             _post(sink, EngineFailure(reason, 503))
         self._sinks.clear()
-        self._drain_commands()
+        self._drain_commands(reason)
 
-    def _finish_commands(self) -> None:
+    def _drain_commands(self, reason: str, *, apply_aborts: bool = False) -> None:
+        """Fail every queued add with `reason`; queued aborts run only on an engine that still works (their KV)."""
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "abort":
+            if cmd[0] == "abort" and apply_aborts:
                 with contextlib.suppress(Exception):
                     self._apply(cmd)
             elif cmd[0] == "add":
-                _post(cmd[4], EngineFailure("the server is shutting down", 503))
-
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                _post(cmd[4], EngineFailure(self.stopped_reason or "the engine stopped", 503))
+                _post(cmd[4], EngineFailure(reason, 503))
 
 
 def _post(sink: _Sink, item: Any) -> None:
