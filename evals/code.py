@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backend import Backend, GenParams
+from .backends.base import Backend, GenParams
 from .data import humaneval_problems
-from .sandbox import Isolation, Limits, require, run_program
-from .stats import paired_delta, pass_at_k, token_stats
+from .sandbox.run import Isolation, Limits, require, run_program
+from .stats.paired import paired_delta, pass_at_k, token_stats
 from .task import compare_scored, join_tokens, scored_records
 
 # Completion ends where a new top-level statement starts (the stop set of the Codex paper).

@@ -18,8 +18,8 @@ from qtoolkit.provenance import file_sha256
 from .code import execute
 from .data import humaneval_problems
 from .results import ResultsFile
-from .sandbox import require
-from .stats import pass_at_k
+from .sandbox.run import require
+from .stats.paired import pass_at_k
 
 _MAX_REPORTED = 5
 

@@ -30,10 +30,10 @@ from rouge_score import rouge_scorer
 
 from qtoolkit.errors import DataError
 
-from .backend import Backend, GenParams
+from .backends.base import Backend, GenParams
 from .code import run_checked
 from .custom_summary import summarize_custom
-from .sandbox import Limits, require
+from .sandbox.run import Limits, require
 from .task import TaskError, compare_scored
 from .workload_file import WorkloadItem, any_tests, file_sha256, render_prompt, sample_items, task_name
 

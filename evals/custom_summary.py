@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .stats import bootstrap_ci, paired_delta, token_stats
+from .stats.paired import bootstrap_ci, paired_delta, token_stats
 from .task import scored_records
 
 WORST_ITEMS = 10

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backend import Backend
+from .backends.base import Backend
 from .data import ASPECTS, aclsum_items, humaneval_problems
-from .kld_stats import llama_cpp_stats
-from .stats import paired_delta, token_stats
+from .stats.kld import llama_cpp_stats
+from .stats.paired import paired_delta, token_stats
 from .task import compare_scored, scored_records
 
 TEXT_SETS = ("code", "summarization")

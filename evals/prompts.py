@@ -1,7 +1,7 @@
 """The one summarization prompt: every use of an ACLSum abstract (the eval, lm-eval's task, GPTQ calibration, the
 bench's summarization traffic) asks the same question, so what is calibrated, measured and served is one thing.
 
-No heavy imports: the load generator (qtoolkit/workloads.py) builds its prompts from here.
+No heavy imports: the load generator (qtoolkit/bench/workloads.py) builds its prompts from here.
 """
 
 from __future__ import annotations

@@ -11,14 +11,14 @@ from typing import Any
 
 from qtoolkit.engine.config import KV_CACHE_DTYPES
 from qtoolkit.errors import QToolError
+from qtoolkit.model.sources import resolve_model
 from qtoolkit.progress import bar, status
-from qtoolkit.sources import resolve_model
 
-from .backend import Backend
-from .backends import make_backend
+from .backends.base import Backend
+from .backends.factory import make_backend
 from .registry import make_task, parse_tasks
 from .results import ResultsFile
-from .stats import CONFIDENCE, N_RESAMPLES
+from .stats.paired import CONFIDENCE, N_RESAMPLES
 from .summary import PairedDelta, Rate, TaskSummary, TextStats
 from .task import check_same_vocabulary
 

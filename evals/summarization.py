@@ -12,10 +12,10 @@ from typing import Any
 
 from rouge_score import rouge_scorer
 
-from .backend import Backend, GenParams
+from .backends.base import Backend, GenParams
 from .data import ASPECTS, aclsum_items
 from .prompts import user_message
-from .stats import paired_delta, token_stats
+from .stats.paired import paired_delta, token_stats
 from .task import compare_scored, scored_records
 
 ROUGE = ("rouge1", "rouge2", "rougeL")

@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 from qtoolkit.errors import QToolError
 
-from .backend import Backend, ScoringUnsupported
-from .stats import token_item_record
+from .backends.base import Backend, ScoringUnsupported
+from .stats.paired import token_item_record
 
 
 class TaskError(QToolError):

@@ -15,7 +15,7 @@ os.environ.setdefault("QTOOLKIT_QUIET", "1")
 @pytest.fixture(scope="session")
 def default_source():
     """The real SmolLM2-135M-Instruct, converted once into the qtoolkit cache."""
-    from qtoolkit.sources import resolve_model
+    from qtoolkit.model.sources import resolve_model
 
     return resolve_model("default")
 

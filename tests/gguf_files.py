@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, get_tensor_name_map
 
-from qtoolkit.gguf_config import _llama_cpp_factors
-from qtoolkit.sources import default_gguf_path
+from qtoolkit.model.gguf_config import _llama_cpp_factors
+from qtoolkit.model.sources import default_gguf_path
 
 # transformers model_type -> the llama.cpp architecture convert_hf_to_gguf.py writes it as (Mistral and Mixtral
 # are written as `llama`, Mixtral with stacked expert tensors)
@@ -86,7 +86,7 @@ def _rope_freqs(cfg, head_dim: int) -> np.ndarray | None:
     rp = _rope(cfg)
     if rp.get("rope_type") != "llama3":
         return None
-    # the one copy of llama.cpp's formula (qtoolkit.gguf_config), with llama.cpp's defaults for absent fields
+    # the one copy of llama.cpp's formula (qtoolkit.model.gguf_config), with llama.cpp's defaults for absent fields
     params = {"rope_theta": rp["rope_theta"],
               "original_max_position_embeddings": rp.get("original_max_position_embeddings", 8192),
               "low_freq_factor": rp.get("low_freq_factor", 1.0), "high_freq_factor": rp.get("high_freq_factor", 4.0),

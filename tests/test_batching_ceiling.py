@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from qtoolkit.batching_ceiling import (
+from qtoolkit.diagnose.batching_ceiling import (
     batching_ceiling,
     continuous_decode_seconds,
     static_decode_seconds,
     step_time_curve,
 )
-from qtoolkit.diagnose import classify, continuous_batching_ceiling
-from qtoolkit.diagnose_result import DecodeRow, KVCapacity, ModelBytes, Roofline
+from qtoolkit.diagnose.result import DecodeRow, KVCapacity, ModelBytes, Roofline
+from qtoolkit.diagnose.run import classify, continuous_batching_ceiling
 
 
 def test_schedules_by_hand():

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from test_server import make_app, running
 
-from qtoolkit.bench import bench_serve, format_table
+from qtoolkit.bench.load_client import RequestResult, run_load, summarize
+from qtoolkit.bench.serve import bench_serve, format_table
+from qtoolkit.bench.workloads import arrival_offsets, build_workload
 from qtoolkit.errors import DataError
-from qtoolkit.load_client import RequestResult, run_load, summarize
-from qtoolkit.workloads import arrival_offsets, build_workload
 
 
 def test_workloads_are_seeded_real_prompts_with_bounded_lengths():

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from qtoolkit.bench.decode import PROMPT, decode_rate, run_decode_bench
 from qtoolkit.cli import main
-from qtoolkit.decode_bench import PROMPT, decode_rate, run_decode_bench
 from qtoolkit.peers.child import PeerError
 from qtoolkit.peers.llama_cpp import LlamaCppPeer
 

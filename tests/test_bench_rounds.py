@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from qtoolkit.bench import _ratio_pairs
-from qtoolkit.bench_systems import System, serve_systems
+from qtoolkit.bench.serve import _ratio_pairs
+from qtoolkit.bench.systems import System, serve_systems
 from qtoolkit.cli import main
-from qtoolkit.plot import plot_file
+from qtoolkit.signoff.plot import plot_file
 
 
 def test_systems_are_values_whose_labels_are_the_json_keys():

@@ -7,15 +7,15 @@ import json
 
 import numpy as np
 import pytest
-from qtoolkit.evals import coverage
-from qtoolkit.evals.stats import LABELS, coverage_at, paired_delta, ratio_over_rounds, token_stats
+from qtoolkit.evals.stats import coverage
+from qtoolkit.evals.stats.paired import LABELS, coverage_at, paired_delta, ratio_over_rounds, token_stats
 from qtoolkit.evals.summary import figure_from_json
 
 from qtoolkit.commands.signoff import DEFAULT_MAX_ITEMS
-from qtoolkit.gates import INCONCLUSIVE, judge_quality
-from qtoolkit.policy import load_policy
-from qtoolkit.sequential import stages
-from qtoolkit.signoff_steps import SignoffConfig
+from qtoolkit.signoff.gates import INCONCLUSIVE, judge_quality
+from qtoolkit.signoff.policy import load_policy
+from qtoolkit.signoff.sequential import stages
+from qtoolkit.signoff.steps import SignoffConfig
 
 RUNS = 2000
 GATED = ("kld", "nll", "bounded", "binary", "rounds")  # kld_mean, nll_delta, rougeL_drop, pass_at_1_drop, speedup

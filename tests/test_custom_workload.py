@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 from qtoolkit.evals import runner
-from qtoolkit.evals.backend import GeneratedText, ScoringUnsupported
+from qtoolkit.evals.backends.base import GeneratedText, ScoringUnsupported
 from qtoolkit.evals.custom import CustomTask
 from qtoolkit.evals.runner import EvalConfig, evaluate
 from qtoolkit.evals.workload_file import iter_lines, sample_items
 
 from qtoolkit.cli import main
-from qtoolkit.custom_signoff import gate_policy
-from qtoolkit.policy import load_policy
-from qtoolkit.report import custom_regression_lines
+from qtoolkit.signoff.policy import load_policy
+from qtoolkit.signoff.report import custom_regression_lines
+from qtoolkit.signoff.workload import gate_policy
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "evals" / "tasks" / "example-workload.jsonl"
 STOP = ["\ndef ", "\nclass "]
@@ -216,8 +216,8 @@ def test_endpoint_candidate_scores_nll_and_lists_kld_as_not_computed(tiny_model_
 def test_bench_serve_replays_the_file_with_measured_lengths(tiny_model_dir, tmp_path):
     from test_server import make_app, running
 
-    from qtoolkit.bench import bench_serve
-    from qtoolkit.workload_files import parse_workload
+    from qtoolkit.bench.serve import bench_serve
+    from qtoolkit.bench.workload_files import parse_workload
 
     f = write_jsonl(tmp_path / "w.jsonl", [
         {"id": "fixed", "prompt": "def f():\n", "max_tokens": 3},
@@ -288,7 +288,7 @@ def test_chat_answers_give_their_first_python_fence_to_the_tests():
 
 
 def test_signoff_bench_replays_the_baseline_answer_lengths_of_the_eval_step(tmp_path):
-    from qtoolkit.custom_signoff import bench_workload
+    from qtoolkit.signoff.workload import bench_workload
 
     f = write_jsonl(tmp_path / "w.jsonl", [{"id": "a", "prompt": "A"}, {"id": "b", "prompt": "B", "max_tokens": 9},
                                            {"id": "c", "messages": [{"role": "user", "content": "C"}]}])

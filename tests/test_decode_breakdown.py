@@ -1,4 +1,4 @@
-"""`qtool bench decode`'s per-token split (qtoolkit/decode_breakdown.py): parts that add up to the step, from the
+"""`qtool bench decode`'s per-token split (qtoolkit/bench/decode_breakdown.py): parts that add up to the step, from the
 C++ layer loop's timers or from timers around the Python loop's modules, and the roofline fraction."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from qtoolkit.bench.decode import PROMPT
+from qtoolkit.bench.decode_breakdown import measure_breakdown
 from qtoolkit.cli import main
-from qtoolkit.decode_bench import PROMPT
-from qtoolkit.decode_breakdown import measure_breakdown
 from qtoolkit.engine import Engine
 
 

@@ -15,7 +15,7 @@ from qtoolkit.engine.model_runner import Chunk, ModelRunner
 from qtoolkit.engine.speculative.self_draft import quantize_copy
 from qtoolkit.model import decode_plan
 from qtoolkit.model.loader import load_model
-from qtoolkit.sources import resolve_model
+from qtoolkit.model.sources import resolve_model
 
 pytestmark = pytest.mark.skipif(engine_ops() is None or fused_decode() is None,
                                 reason="CPU decode extension unavailable (no AVX2 or no compiler)")

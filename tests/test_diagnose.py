@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from qtoolkit.cli import main
-from qtoolkit.diagnose import classify
-from qtoolkit.diagnose_result import DecodeRow, DiagnoseResult, KVCapacity, ModelBytes, Roofline
+from qtoolkit.diagnose.result import DecodeRow, DiagnoseResult, KVCapacity, ModelBytes, Roofline
+from qtoolkit.diagnose.run import classify
 
 
 def test_diagnose_cli_writes_measurements(tiny_model_dir, tmp_path, capsys):

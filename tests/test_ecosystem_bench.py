@@ -7,10 +7,10 @@ import json
 import pytest
 from test_server import make_app, running
 
+from qtoolkit.bench.load_client import RequestResult, summarize
 from qtoolkit.cli import main
-from qtoolkit.endpoint_args import resolve_server
+from qtoolkit.endpoints.args import resolve_server
 from qtoolkit.errors import QToolError
-from qtoolkit.load_client import RequestResult, summarize
 
 VLLM_KEYS = {"duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
              "output_throughput", "total_token_throughput",

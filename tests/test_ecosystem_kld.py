@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from qtoolkit.evals.kld_stats import llama_cpp_stats
 from qtoolkit.evals.perplexity import PerplexityTask
-from qtoolkit.evals.stats import token_item_record
+from qtoolkit.evals.stats.kld import llama_cpp_stats
+from qtoolkit.evals.stats.paired import token_item_record
 
 LLAMA_CPP_LABELS = [
     "Mean PPL(Q)", "Mean PPL(base)", "Cor(ln(PPL(Q)), ln(PPL(base)))", "Mean ln(PPL(Q)/PPL(base))",

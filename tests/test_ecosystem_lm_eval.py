@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from qtoolkit.evals.lm_eval_paired import paired_results
+from qtoolkit.evals.lm_eval.paired import paired_results
 
 from qtoolkit.cli import main
 

@@ -17,8 +17,8 @@ from qtoolkit.kernels import scheme as S
 from transformers import AutoModelForCausalLM
 
 from qtoolkit.model.loader import config_group_for, load_model
-from qtoolkit.quantize import quantize
-from qtoolkit.sources import resolve_model
+from qtoolkit.model.sources import resolve_model
+from qtoolkit.quantize.run import quantize
 
 W = {"type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
 

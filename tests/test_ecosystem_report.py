@@ -10,9 +10,9 @@ from html.parser import HTMLParser
 import pytest
 from PIL import Image
 
+from qtoolkit.bench.load_client import RequestResult, summarize
 from qtoolkit.cli import main
-from qtoolkit.load_client import RequestResult, summarize
-from qtoolkit.report import html_report, markdown
+from qtoolkit.signoff.report import html_report, markdown
 
 DETAIL = "kld 0.5 | limit 0.1 < judged & <b>not bold</b>"
 

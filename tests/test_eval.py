@@ -6,7 +6,7 @@ import json
 
 import pytest
 from qtoolkit.evals import runner
-from qtoolkit.evals.backend import BackendError
+from qtoolkit.evals.backends.base import BackendError
 from qtoolkit.evals.completions import read_completions
 from qtoolkit.evals.runner import EvalConfig, evaluate
 
@@ -53,7 +53,7 @@ def test_completions_file_errors_name_line_numbers(tmp_path):
 
 
 def test_unanswering_endpoint_fails_clearly_after_bounded_retry(tiny_model_dir):
-    from qtoolkit.evals.backend_openai import OpenAIBackend
+    from qtoolkit.evals.backends.endpoint import OpenAIBackend
 
     with pytest.raises(BackendError, match="did not answer after 2 tries"):
         OpenAIBackend("http://127.0.0.1:9", model_spec=str(tiny_model_dir), retries=2, timeout_s=2)
@@ -155,7 +155,7 @@ def test_endpoint_candidate_scores_nll_but_not_kld(tiny_model_dir, tmp_path):
 def test_engine_and_hf_backends_agree_on_scores(tiny_model_dir):
     """The hf backend stays as a cross-check of the engine: same teacher-forced distributions."""
     import torch
-    from qtoolkit.evals.backends import make_backend
+    from qtoolkit.evals.backends.factory import make_backend
 
     engine, hf = make_backend(str(tiny_model_dir), kind="engine"), make_backend(str(tiny_model_dir), kind="hf")
     ids = engine.tokenizer("def add(a, b):\n    return a + b\n").input_ids

@@ -219,7 +219,7 @@ def test_speculation_keeps_greedy_identity(built, name, proposer):
 
 def test_int4_checkpoint_loads_and_generates(family, tmp_path):
     from qtoolkit.model.quant_linear import DenseLinear
-    from qtoolkit.quantize import quantize
+    from qtoolkit.quantize.run import quantize
 
     name, folder, _, _ = family
     quantize(folder, "int4-rtn", tmp_path / "int4", verify=False)

@@ -236,7 +236,7 @@ def wide_moe(tmp_path_factory, tokenizer_dir):
 def test_moe_runs_only_the_routed_experts_once_each_with_their_tokens(wide_moe):
     from qtoolkit.model.loader import load_model
     from qtoolkit.model.moe import route
-    from qtoolkit.sources import resolve_model
+    from qtoolkit.model.sources import resolve_model
 
     block = load_model(resolve_model(str(wide_moe))).layers[0].mlp
     calls: dict[int, list[int]] = {}

@@ -12,13 +12,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 from fault_proxy import FaultProxy
-from qtoolkit.evals.backend_openai import describe_request, repeatable
+from qtoolkit.evals.backends.endpoint import describe_request, repeatable
 
+from qtoolkit.bench.deployment import _measure
+from qtoolkit.bench.workloads import build_workload
 from qtoolkit.cli import main
-from qtoolkit.deployment import Deployment, EndpointError, EndpointInfo, request
-from qtoolkit.deployment_bench import _measure
+from qtoolkit.endpoints.deployment import Deployment, EndpointError, EndpointInfo, request
 from qtoolkit.server.process import free_port, server_process
-from qtoolkit.workloads import build_workload
 
 
 class _Upstream(BaseHTTPRequestHandler):

@@ -2,7 +2,7 @@
 (tests/gguf_files.py), loaded as a user loads one (`qtool generate --model FILE.gguf --temperature 0`): the text
 equals transformers' greedy `generate` on the original model (its own config) holding the weights the file's
 blocks dequantize to, and for F32 files the original weights exactly. What transformers' GGUF reader cannot
-carry (Mixtral's experts) is refused in one line. The fast tests check qtoolkit/gguf_config.py's reading."""
+carry (Mixtral's experts) is refused in one line. The fast tests check qtoolkit/model/gguf_config.py's reading."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from gguf_files import BLOCKS, FAMILIES, build_model, write_case, write_gguf
 
 from qtoolkit.cli import main
 from qtoolkit.errors import ModelSourceError
-from qtoolkit.gguf_config import _llama_cpp_factors, gguf_configs, llama3_rope
+from qtoolkit.model.gguf_config import _llama_cpp_factors, gguf_configs, llama3_rope
 from qtoolkit.model.llama import rope_inv_freq
-from qtoolkit.sources import cache_dir, resolve_model
+from qtoolkit.model.sources import cache_dir, resolve_model
 
 SHORT = "The quick brown fox"  # inside every window below
 LONG = ("def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n\nclass Stack:\n"

@@ -245,7 +245,7 @@ def test_bad_kv_cache_dtype_flag_is_one_cli_error(argv, capsys):
 
 
 def test_long_workload_has_distinct_2k_token_documents():
-    from qtoolkit.workloads import build_workload
+    from qtoolkit.bench.workloads import build_workload
 
     requests = build_workload("long", 8, seed=1)
     assert {r.kind for r in requests} == {"long"} and len({r.prompt for r in requests}) == 8

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from qtoolkit.evals.lm_eval_run import TASKS_DIR, run_lm_eval, shipped_tasks
-from qtoolkit.evals.sandbox import isolation
+from qtoolkit.evals.lm_eval.run import TASKS_DIR, run_lm_eval, shipped_tasks
+from qtoolkit.evals.sandbox.run import isolation
 
 
 def test_shipped_tasks_are_found_by_lm_eval():
@@ -34,7 +34,7 @@ def test_simple_evaluate_through_the_python_api(tiny_model_dir, tmp_path):
 def test_loglikelihood_matches_rolling_for_a_whole_text(tiny_model_dir):
     """Scoring a text as one continuation or as a rolling text gives the same log-likelihood."""
     from lm_eval.api.instance import Instance
-    from qtoolkit.evals.lm_eval_model import QToolkitLM
+    from qtoolkit.evals.lm_eval.model import QToolkitLM
 
     lm = QToolkitLM(pretrained=str(tiny_model_dir), backend="engine")
     text = "def add(a, b):\n    return a + b\n"
@@ -49,8 +49,8 @@ def test_loglikelihood_matches_rolling_for_a_whole_text(tiny_model_dir):
 
 @pytest.mark.slow  # a fresh interpreter importing lm-eval and torch: ~1 min on 2 busy cores
 def test_wrapper_cli_runs_offline(tiny_model_dir, tmp_path):
-    """`qtool-lm-eval` (evals/lm_eval_cli.py:main) with generate_until, in a network namespace where allowed."""
-    cmd = [sys.executable, "-m", "qtoolkit.evals.lm_eval_cli", "run", "--model", "qtoolkit",
+    """`qtool-lm-eval` (evals/lm_eval/cli.py:main) with generate_until, in a network namespace where allowed."""
+    cmd = [sys.executable, "-m", "qtoolkit.evals.lm_eval.cli", "run", "--model", "qtoolkit",
            "--model_args", f"pretrained={tiny_model_dir},backend=engine", "--tasks", "qtoolkit_aclsum",
            "--limit", "1", "--gen_kwargs", "max_gen_toks=8", "--output_path", str(tmp_path / "out")]
     if isolation()["network_namespace"] and shutil.which("unshare") and os.geteuid() == 0:

@@ -81,7 +81,7 @@ def test_attention_groups_mix_prefill_and_decode(sharp_dir):
     from qtoolkit.engine.params import SamplingParams
     from qtoolkit.engine.sequence import Sequence
     from qtoolkit.model.loader import load_model
-    from qtoolkit.sources import resolve_model
+    from qtoolkit.model.sources import resolve_model
 
     model = load_model(resolve_model(str(sharp_dir)))
     g = torch.Generator().manual_seed(1)

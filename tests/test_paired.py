@@ -7,7 +7,7 @@ import json
 
 import httpx
 import pytest
-from qtoolkit.evals.backend import GeneratedText, GenParams
+from qtoolkit.evals.backends.base import GeneratedText, GenParams
 from qtoolkit.evals.code import STOP, CodeTask
 from qtoolkit.evals.data import humaneval_problems
 
@@ -34,7 +34,7 @@ def _endpoint(monkeypatch, max_stops: int | None) -> list[dict]:
 
 @pytest.mark.parametrize("max_stops", [None, 4])
 def test_openai_backend_sends_every_stop_and_cuts_client_side(monkeypatch, tiny_model_dir, max_stops):
-    from qtoolkit.evals.backend_openai import OpenAIBackend
+    from qtoolkit.evals.backends.endpoint import OpenAIBackend
 
     bodies = _endpoint(monkeypatch, max_stops)
     b = OpenAIBackend("http://fake:1", model_spec=str(tiny_model_dir), retries=1)
@@ -71,8 +71,8 @@ def test_every_backend_ends_a_generation_at_the_same_stop(tiny_model_dir):
     matters is sixth in the list (where the endpoint's first-4 truncation used to drop it); the second list's
     stop begins with the prompt's last character, which only the completion may match (transformers' own
     stop_strings matched it across the prompt boundary and stopped the hf side early)."""
-    from qtoolkit.evals.backend_openai import OpenAIBackend
-    from qtoolkit.evals.backends import make_backend
+    from qtoolkit.evals.backends.endpoint import OpenAIBackend
+    from qtoolkit.evals.backends.factory import make_backend
     from test_server import make_app, running
 
     prompt = humaneval_problems()[0]["prompt"]

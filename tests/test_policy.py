@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from qtoolkit.evals.stats import paired_delta
+from qtoolkit.evals.stats.paired import paired_delta
 from qtoolkit.evals.summary import TaskSummary
 
-from qtoolkit.policy import METRICS, PolicyError, load_policy, read_metric
-from qtoolkit.signoff import evaluate_gates
+from qtoolkit.signoff.policy import METRICS, PolicyError, load_policy, read_metric
+from qtoolkit.signoff.run import evaluate_gates
 
 
 def test_default_policy_loads_and_names_known_metrics():
@@ -55,7 +55,7 @@ def test_identical_models_never_fail_quality_gates():
     evals = {"tasks": {"code": {"summary": summary}}}
     policy = load_policy("default").model_copy(update={"tasks": {"code": load_policy().tasks["code"]}})
     gates = {g.name: g for g in evaluate_gates(policy, evals, None, None)}
-    # four all-equal deltas are too few for a reliable interval (evals/stats.py): undecided, never FAIL
+    # four all-equal deltas are too few for a reliable interval (evals/stats/paired.py): undecided, never FAIL
     assert not any(gates[f"code.{m}"].verdict == "FAIL" for m in ("kld_mean", "nll_delta", "pass_at_1_drop"))
     assert gates["code.kld_mean"].passed
     assert not gates["throughput.min_speedup"].passed  # no bench results: never a silent PASS
@@ -73,7 +73,7 @@ def _bench_tier(base: float, full: float, rounds: dict[str, list[float]] | None)
 
 
 def test_ratio_over_rounds_is_a_t_interval_on_log_ratios():
-    from qtoolkit.evals.stats import ratio_over_rounds
+    from qtoolkit.evals.stats.paired import ratio_over_rounds
 
     r = ratio_over_rounds([12.0, 13.0, 12.5], [10.0, 10.0, 10.0])
     assert r["ratio"] == pytest.approx((1.2 * 1.3 * 1.25) ** (1 / 3))
@@ -90,7 +90,7 @@ def test_ratio_over_rounds_is_a_t_interval_on_log_ratios():
     ({"baseline_static": [10.0, 10.0, 10.0], "candidate_continuous": [12.0, 9.0, 15.0]}, False),
 ])
 def test_throughput_gate_judges_the_lower_bound_over_rounds(rounds, passed):
-    from qtoolkit.ablation import ablation_table
+    from qtoolkit.bench.ablation import ablation_table
 
     ab = ablation_table(_bench_tier(10.0, 12.0, rounds))
     policy = load_policy("default")
@@ -104,7 +104,7 @@ def test_throughput_gate_judges_the_lower_bound_over_rounds(rounds, passed):
 
 
 def test_throughput_gate_names_its_interval_and_an_unreliable_one_decides_nothing():
-    from qtoolkit.ablation import ablation_table
+    from qtoolkit.bench.ablation import ablation_table
 
     ab = ablation_table(_bench_tier(10.0, 12.0, {"baseline_static": [10.0, 10.0, 10.0],
                                                  "candidate_continuous": [12.0, 12.4, 11.8]}))
@@ -117,8 +117,8 @@ def test_throughput_gate_names_its_interval_and_an_unreliable_one_decides_nothin
 
 
 def test_extra_rounds_get_prompts_no_earlier_request_had():
-    from qtoolkit.ablation import fresh_requests
-    from qtoolkit.workloads import build_workload
+    from qtoolkit.bench.ablation import fresh_requests
+    from qtoolkit.bench.workloads import build_workload
 
     used = build_workload("mixed", 20, seed=0, mean_output_tokens=8, max_output_tokens=16)
     fresh = fresh_requests("mixed", 16, used, seed=101, mean_output_tokens=8, max_output_tokens=16)

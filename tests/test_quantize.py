@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from qtoolkit.cli import main
-from qtoolkit.quantize import quantize
+from qtoolkit.quantize.run import quantize
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -75,7 +75,7 @@ def test_gptq_has_lower_output_error_than_rtn(tiny_model_dir, rtn_dir, tmp_path)
     """On its calibration data, GPTQ's model output is closer to the original's than RTN's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from qtoolkit.calibration import calibration_texts
+    from qtoolkit.quantize.calibration import calibration_texts
 
     gptq = tmp_path / "gptq"
     quantize(tiny_model_dir, "int4-gptq", gptq, num_samples=16, verify=False)
@@ -140,7 +140,7 @@ def test_bad_inputs_exit_2_and_write_nothing(tiny_model_dir, tmp_path, capsys):
 
 
 def test_failure_midway_leaves_no_partial_output(tiny_model_dir, tmp_path, monkeypatch):
-    import qtoolkit.quantize as qmod
+    import qtoolkit.quantize.run as qmod
 
     def boom(folder):
         raise RuntimeError("simulated crash while verifying")

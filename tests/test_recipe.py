@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qtoolkit.errors import RecipeError
-from qtoolkit.recipe import check_against_model, list_recipes, load_recipe, parse_recipe
+from qtoolkit.quantize.recipe import check_against_model, list_recipes, load_recipe, parse_recipe
 
 GOOD = """\
 version: 1

@@ -26,8 +26,8 @@ from qtoolkit.io import (
     read_results_json,
     write_json,
 )
+from qtoolkit.model.sources import _check_folder, convert_once
 from qtoolkit.provenance import folder_sha256
-from qtoolkit.sources import _check_folder, convert_once
 
 REPO = Path(__file__).resolve().parents[1]
 HOLDER = textwrap.dedent("""

@@ -9,10 +9,17 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from qtoolkit.evals import landlock
 from qtoolkit.evals.completions import score_completions
 from qtoolkit.evals.data import humaneval_problems
-from qtoolkit.evals.sandbox import EXITED_EARLY, Limits, SandboxUnavailable, isolation, require, run_program
+from qtoolkit.evals.sandbox import landlock
+from qtoolkit.evals.sandbox.run import (
+    EXITED_EARLY,
+    Limits,
+    SandboxUnavailable,
+    isolation,
+    require,
+    run_program,
+)
 
 FAST = Limits(wall_s=5.0, cpu_s=3, memory_bytes=512 << 20)
 needs_bwrap = pytest.mark.skipif(not isolation()["bubblewrap"], reason=f"no bubblewrap: {isolation()['missing']}")
@@ -118,7 +125,7 @@ def _alive(marker: str) -> bool:
 
 
 def test_fail_closed_without_bubblewrap(monkeypatch, tmp_path, capsys):
-    from qtoolkit.evals import sandbox_layers
+    from qtoolkit.evals.sandbox import layers as sandbox_layers
 
     from qtoolkit.cli import main
 

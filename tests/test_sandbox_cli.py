@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 from qtoolkit.evals.data import humaneval_problems
-from qtoolkit.evals.sandbox import isolation
-from qtoolkit.evals.sandbox_layers import sandbox_uid
+from qtoolkit.evals.sandbox.layers import sandbox_uid
+from qtoolkit.evals.sandbox.run import isolation
 from test_sandbox import SPAWN, _alive
 
 pytestmark = pytest.mark.skipif(not isolation()["bubblewrap"], reason=f"no bubblewrap: {isolation()['missing']}")

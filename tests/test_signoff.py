@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from qtoolkit.cli import main
-from qtoolkit.gates import EXIT_CODES, overall
+from qtoolkit.signoff.gates import EXIT_CODES, overall
 
 pytestmark = pytest.mark.slow
 ARGS = ["--limit", "2", "--max-items", "2", "--concurrency", "1,2", "--num-requests", "2"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from qtoolkit.cli import main
-from qtoolkit.deployment import Deployment, EndpointError, backoff_s, probe
+from qtoolkit.endpoints.deployment import Deployment, EndpointError, backoff_s, probe
 from qtoolkit.engine.config import EngineConfig
 from qtoolkit.server.process import free_port, server_process
 
@@ -49,7 +49,7 @@ ROLE_ENV = {"QTOOLKIT_CANDIDATE_API_KEY": KEYS["candidate"], "QTOOLKIT_BASELINE_
 
 @pytest.fixture(scope="module")
 def int4_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    from qtoolkit.quantize import quantize
+    from qtoolkit.quantize.run import quantize
 
     out = tmp_path_factory.mktemp("tiny-int4") / "ckpt"
     quantize(tiny_model_dir, "int4-rtn", out)

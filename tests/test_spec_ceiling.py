@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from qtoolkit.bench.spec_ceiling import parse_speculative, speculation_ceiling, tier_delta
 from qtoolkit.engine.stats import EngineStats, SpeculativeStats
 from qtoolkit.server.metrics import ServerMetrics
-from qtoolkit.spec_ceiling import parse_speculative, speculation_ceiling, tier_delta
 
 
 def _stats(drafted: int, accepted: int, proposed_at: list[int], accepted_at: list[int], propose: float,

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from qtoolkit.evals.stats import bootstrap_ci, paired_delta, pass_at_k, token_item_record, token_stats
+from qtoolkit.evals.stats.paired import bootstrap_ci, paired_delta, pass_at_k, token_item_record, token_stats
 
 
 def test_bootstrap_ci_is_seeded_and_covers_the_mean():
@@ -119,7 +119,7 @@ def test_binary_deltas_never_collapse_to_a_point():
 
 
 def test_ratio_over_rounds_reports_its_coverage():
-    from qtoolkit.evals.stats import ratio_over_rounds
+    from qtoolkit.evals.stats.paired import ratio_over_rounds
 
     r = ratio_over_rounds([13.9, 12.1, 11.1, 15.4, 14.9], [10.0] * 5)
     assert r["ci_reliable"] is True and r["ci_coverage"] >= 0.93 and "round" in r["ci_method"]

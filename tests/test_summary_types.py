@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from qtoolkit.evals.stats import paired_delta, ratio_over_rounds, token_stats
+from qtoolkit.evals.stats.paired import paired_delta, ratio_over_rounds, token_stats
 from qtoolkit.evals.summary import (
     PairedDelta,
     Rate,
@@ -18,7 +18,7 @@ from qtoolkit.evals.summary import (
     figure_from_json,
 )
 
-from qtoolkit.policy import METRICS, metric_figure, read_metric
+from qtoolkit.signoff.policy import METRICS, metric_figure, read_metric
 
 MEASUREMENTS = Path(__file__).resolve().parent.parent / "measurements"
 

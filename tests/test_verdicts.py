@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-from qtoolkit.evals.stats import paired_delta
+from qtoolkit.evals.stats.paired import paired_delta
 from qtoolkit.evals.summary import figure_from_json
 
 from qtoolkit.cli import main
-from qtoolkit.gates import FAIL, INCONCLUSIVE, NO_EVIDENCE, PASS, judge_quality, overall
-from qtoolkit.policy import load_policy
-from qtoolkit.signoff import evaluate_gates
+from qtoolkit.signoff.gates import FAIL, INCONCLUSIVE, NO_EVIDENCE, PASS, judge_quality, overall
+from qtoolkit.signoff.policy import load_policy
+from qtoolkit.signoff.run import evaluate_gates
 
 POLICY = ("version: 1\nname: t\ntasks:\n  code:\n    kld_mean: {max: 0.10}\n"
           "    pass_at_1_drop: {max: 0.15, min_baseline_share: 0.25}\n")
@@ -118,7 +118,7 @@ def test_crash_is_an_error_not_a_fail(tmp_path, capsys):
 
 
 def test_inconclusive_gate_draws_more_items_up_to_the_budget():
-    from qtoolkit.sequential import describe, draw_until_decisive, stages
+    from qtoolkit.signoff.sequential import describe, draw_until_decisive, stages
 
     assert stages(8, None) == [8] and stages(8, 8) == [8] and stages(8, 40) == [8, 16, 32, 40]
     calls: list[tuple[int, bool]] = []

@@ -8,8 +8,8 @@ import pytest
 
 from qtoolkit.cli import main
 from qtoolkit.errors import RecipeError
-from qtoolkit.policy import PolicyError, load_policy
-from qtoolkit.recipe import load_recipe
+from qtoolkit.quantize.recipe import load_recipe
+from qtoolkit.signoff.policy import PolicyError, load_policy
 
 
 def nested_aliases(levels: int = 9) -> str:
@@ -55,7 +55,7 @@ def test_cli_refuses_an_alias_recipe_with_exit_2(tmp_path, capsys):
 
 
 def test_shipped_recipes_and_policies_still_load():
-    from qtoolkit.recipe import list_recipes
+    from qtoolkit.quantize.recipe import list_recipes
 
     for name in list_recipes():
         assert load_recipe(name).name

@@ -25,7 +25,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from qtoolkit.sources import resolve_model
+from qtoolkit.model.sources import resolve_model
 
 SHORT = "def add(a, b):\n    return"
 LONG = ("Summarize: the committee met on Tuesday to review the budget. After a long debate about the roads, the "

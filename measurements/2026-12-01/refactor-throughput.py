@@ -47,7 +47,7 @@ def _decode(tree: str, models: list[str]) -> dict[str, float]:
 
 def _same_requests(tree: str, path: Path) -> str:
     """The tree's built-in mixed requests of both tiers (2 x 16) as a workload file; returns its path."""
-    code = ("import json, sys; from qtoolkit.workloads import build_workload; "
+    code = ("import json, sys; from qtoolkit.bench.workloads import build_workload; "
             "print('\\n'.join(json.dumps({'id': str(r.index), 'prompt': r.prompt, 'max_tokens': r.max_tokens}) "
             "for r in build_workload('mixed', 32, seed=0, mean_output_tokens=64, max_output_tokens=128)))")
     lines = subprocess.run(["python3", "-c", code], cwd=tree, env={**os.environ, "QTOOLKIT_SRC": tree}, check=True,

@@ -37,10 +37,10 @@ def run(args: argparse.Namespace) -> int:
     # start-up time (`qtool --help` imports every command): torch and the decoders load when the command runs
     import torch
 
-    from ..decode_bench import engine_decoder, format_table, hf_decoder, llama_cpp_decoder, run_decode_bench
-    from ..decode_breakdown import DecodeBreakdown, format_breakdown
+    from ..bench.decode import engine_decoder, format_table, hf_decoder, llama_cpp_decoder, run_decode_bench
+    from ..bench.decode_breakdown import DecodeBreakdown, format_breakdown
+    from ..model.sources import default_gguf_path, resolve_model
     from ..provenance import provenance
-    from ..sources import default_gguf_path, resolve_model
 
     peers = [c.strip() for c in args.compare.split(",") if c.strip()]
     bad = [c for c in peers if c not in ("llama.cpp", "hf")]
@@ -81,11 +81,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _with_breakdowns(report: dict, systems: dict, tokens: int) -> dict:
-    """Each engine system's per-token split and roofline fraction (qtoolkit/decode_breakdown.py), after the
+    """Each engine system's per-token split and roofline fraction (qtoolkit/bench/decode_breakdown.py), after the
     timed rounds, against the DRAM bandwidth measured once here."""
     # start-up time, as in run(): these pull torch and the engine
-    from ..decode_bench import PROMPT
-    from ..decode_breakdown import measure_breakdown
+    from ..bench.decode import PROMPT
+    from ..bench.decode_breakdown import measure_breakdown
     from ..kernels.roofline import measure_bandwidth
 
     status("measuring memory bandwidth and the per-token breakdown")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 
-from ..endpoint_args import ROUTES, add_server_arguments, resolve_server
+from ..endpoints.args import ROUTES, add_server_arguments, resolve_server
 from ..engine.config import EngineConfig, add_engine_args
 from ..errors import QToolError
 from ..io import lock_output, write_json
@@ -106,9 +106,9 @@ def _interrupt(signum, frame) -> None:
 def run(args: argparse.Namespace) -> int:
     # start-up time (`qtool --help` imports every command): the load generator, the deployment client and the
     # workload files load the server's modules, numpy and the evals only when the command runs
-    from ..bench import bench_serve, format_table
-    from ..deployment import Deployment
-    from ..workload_files import parse_workload
+    from ..bench.serve import bench_serve, format_table
+    from ..bench.workload_files import parse_workload
+    from ..endpoints.deployment import Deployment
 
     if args.num_requests is not None and args.num_requests <= 0:
         raise QToolError("--num-requests must be positive")

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qtoolkit.diagnose import diagnose, format_summary
+    from qtoolkit.diagnose.run import diagnose, format_summary
     from qtoolkit.io import write_json
 
     result = diagnose(args.model, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from qtoolkit.endpoint_args import add_server_arguments, resolve_server
+from qtoolkit.endpoints.args import add_server_arguments, resolve_server
 
 # Generation and scoring both go through /v1/completions (prompts are templated locally).
 ROUTES = ("/v1/completions",)
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         status(f"pass@k {result['summary']['pass@k']} over {result['summary']['problems']} problems -> {args.output}")
         return 0
     if args.harness == "lm-eval":
-        from qtoolkit.evals.lm_eval_run import run_lm_eval
+        from qtoolkit.evals.lm_eval.run import run_lm_eval
 
         if args.base_url or args.endpoint or args.baseline_base_url or args.baseline_endpoint:
             raise QToolError("--harness lm-eval runs the models in-process: drop --base-url/--endpoint (or use "

@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qtoolkit.plot import plot_file
+    from qtoolkit.signoff.plot import plot_file
 
     for path in plot_file(args.file, args.output):
         print(path)

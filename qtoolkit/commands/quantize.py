@@ -38,8 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.print_recipe:
-        from qtoolkit.llmc_recipe import dump_llmc
-        from qtoolkit.recipe import load_recipe
+        from qtoolkit.quantize.llmc_recipe import dump_llmc
+        from qtoolkit.quantize.recipe import load_recipe
 
         with contextlib.redirect_stdout(sys.stderr):  # llm-compressor's import-time log lines stay off stdout
             recipe = load_recipe(args.recipe)
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.output:
         raise QToolError("--output is required to quantize: pass --output DIR (or --print-recipe to only print "
                          "the llm-compressor recipe)")
-    from qtoolkit.quantize import quantize
+    from qtoolkit.quantize.run import quantize
 
     # stdout carries only the JSON summary; llm-compressor (re)configures its logger onto sys.stdout mid-run
     with contextlib.redirect_stdout(sys.stderr):

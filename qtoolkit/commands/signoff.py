@@ -6,9 +6,9 @@ import argparse
 import contextlib
 import sys
 
-from qtoolkit.endpoint_args import add_server_arguments, resolve_server
+from qtoolkit.endpoints.args import add_server_arguments, resolve_server
 from qtoolkit.errors import QToolError
-from qtoolkit.gates import EXIT_CODES
+from qtoolkit.signoff.gates import EXIT_CODES
 
 # ACLSum ROUGE-L's per-item deltas spread ~0.09 (measurements/2026-12-01/rougeL-fp8-8items.json): the CI
 # half-width is ~0.06 at 8 items and ~0.02 at 64, narrow enough to decide against the default policy's 0.05 bound
@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # start-up time (`qtool --help` imports every command): the sign-off loads the evals, llm-compressor, torch
-    from qtoolkit.signoff import SignoffConfig, signoff
+    from qtoolkit.signoff.run import SignoffConfig, signoff
 
     deployed = args.candidate_endpoint or args.baseline_endpoint
     if bool(args.recipe) == bool(deployed):

@@ -14,8 +14,8 @@ import torch
 from ..errors import OutputExistsError, QToolError
 from ..io import OutputLock, read_results_json, write_json
 from ..model.llama import ModelConfig
+from ..model.sources import resolve_model
 from ..progress import status
-from ..sources import resolve_model
 from .batches import featurize
 from .corpus import CorpusSpec, load_or_build
 from .format import CONFIG, load_head

@@ -20,8 +20,8 @@ from transformers import AutoTokenizer
 
 from ..errors import QToolError
 from ..model.loader import load_model
+from ..model.sources import ModelSource, resolve_model
 from ..progress import bar, quiet
-from ..sources import ModelSource, resolve_model
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import Chunk, ModelRunner, kv_bytes_per_block

@@ -14,12 +14,12 @@ from safetensors import safe_open
 from torch import nn
 
 from ..errors import ModelSourceError
-from ..sources import ModelSource
 from . import quant_linear
 from .kv_quant import StaticKVScales
 from .llama import DecoderLayer, LlamaModel, ModelConfig
 from .moe import SparseMoE
 from .quant_linear import DenseLinear
+from .sources import ModelSource
 
 # "auto" means float32 for dense weights on an AVX2 CPU: it has no native bf16 compute, so torch's bf16 matmuls
 # fall behind fp32 once a batch makes a step compute-bound, and a serving engine lives at batch >= 8; fp32 also

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from qtoolkit.evals.data import humaneval_problems
-from qtoolkit.evals.sandbox_layers import SANDBOX_UID_BASE
-from qtoolkit.evals.stats import paired_delta
+from qtoolkit.evals.sandbox.layers import SANDBOX_UID_BASE
+from qtoolkit.evals.stats.paired import paired_delta
 
 HERE = Path(__file__).resolve().parent
 SECRET = "QTOOL-BAR-SECRET"

@@ -28,7 +28,7 @@ from gguf_files import BLOCKS, FAMILIES, build_model, write_case, write_gguf  # 
 from test_gguf_families import LONG, NEW, SHORT, f32_weights_equal, reference_texts  # noqa: E402
 
 from qtoolkit.cli import main  # noqa: E402
-from qtoolkit.sources import resolve_model  # noqa: E402
+from qtoolkit.model.sources import resolve_model  # noqa: E402
 
 ONLY = [f for f in os.environ.get("FAMILIES", "").split(",") if f]  # a subset: FAMILIES=gemma3_text
 

@@ -40,7 +40,7 @@ from transformers import (
 
 from qtoolkit import cli
 from qtoolkit.engine import Engine, SamplingParams
-from qtoolkit.sources import resolve_model
+from qtoolkit.model.sources import resolve_model
 
 ROOT = Path(__file__).resolve().parents[3]
 SHORT = "def add(a, b):\n    return"

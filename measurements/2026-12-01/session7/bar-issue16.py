@@ -48,7 +48,7 @@ def ci(fig: dict | None) -> dict | None:
 
 def policy_file() -> Path:
     sys.path.insert(0, str(HERE.parents[2]))
-    from qtoolkit.policy import load_policy
+    from qtoolkit.signoff.policy import load_policy
 
     default = load_policy("default")
     doc = {"version": 1, "name": "default-custom-only",

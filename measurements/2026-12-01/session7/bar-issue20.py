@@ -7,7 +7,7 @@ Writes bar-issue20.json beside it.
 1. `evals.coverage.run` over the calibrated scenarios at the main job's looks (8 items, doubled to the
    --max-items budget 64: 8, 16, 32, 64), at 40 items and at its 5 rounds, with the shipped table's settings
    (4,000 runs, 2,000 resamples, seed 0). Every cell is seeded by (seed, n, scenario) alone, so the 8/16/40
-   rows must equal evals/ci_coverage_table.py exactly when the table is current with the code.
+   rows must equal evals/stats/ci_coverage_table.py exactly when the table is current with the code.
 2. Each gate of the default policy (recipes/policies/default.yaml) against real eval summaries: the method
    named in the figure it reads, the table's method for that shape at that many items, and its coverage.
 """
@@ -23,12 +23,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 sys.path.insert(0, str(ROOT))
 
-from qtoolkit.evals import coverage  # noqa: E402
-from qtoolkit.evals.ci_coverage_table import TABLE  # noqa: E402
-from qtoolkit.evals.stats import LABELS, coverage_at  # noqa: E402
+from qtoolkit.evals.stats import coverage  # noqa: E402
+from qtoolkit.evals.stats.ci_coverage_table import TABLE  # noqa: E402
+from qtoolkit.evals.stats.paired import LABELS, coverage_at  # noqa: E402
 from qtoolkit.evals.summary import TaskSummary  # noqa: E402
 
-from qtoolkit.policy import METRICS, load_policy, metric_figure  # noqa: E402
+from qtoolkit.signoff.policy import METRICS, load_policy, metric_figure  # noqa: E402
 
 SIZES = (8, 16, 32, 40, 64)
 ROUNDS = (5,)
@@ -53,7 +53,7 @@ def rerun() -> dict:
 
 
 def compare(rerun: dict) -> None:
-    """Against the shipped table (evals/ci_coverage_table.py) and what the sign-off reads at each n."""
+    """Against the shipped table (evals/stats/ci_coverage_table.py) and what the sign-off reads at each n."""
     for shape, rows in rerun["shapes"].items():
         for n, cell in rows.items():
             measured = cell.get("all") or {cell["method"]: cell["coverage"], "percentile": cell["percentile"]}

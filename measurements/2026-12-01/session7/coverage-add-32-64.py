@@ -3,7 +3,7 @@
     cd WORKTREE && QTOOLKIT_SRC=$PWD python3 measurements/2026-12-01/session7/coverage-add-32-64.py
 
 Every cell of the harness is seeded by (seed, n, scenario) alone, so running only the new sizes and merging them
-into measurements/2026-12-01/ci-coverage.json gives what the full command (evals/coverage.py, whose ITEM_SIZES
+into measurements/2026-12-01/ci-coverage.json gives what the full command (evals/stats/coverage.py, whose ITEM_SIZES
 now hold 32 and 64) writes; the table module is then regenerated from the merged results. Without these rows the
 sign-off read 32 and 64 items from the 24 and 40 rows, which assumes coverage only grows with n: false for the
 paired binary interval (Newcombe 0.952 at 40, 0.929 at 64 in session7/bar-issue20.json).
@@ -19,11 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from qtoolkit.evals import coverage  # noqa: E402
+from qtoolkit.evals.stats import coverage  # noqa: E402
 
 NEW = (32, 64)
 FULL = ROOT / "measurements/2026-12-01/ci-coverage.json"
-TABLE = ROOT / "evals/ci_coverage_table.py"
+TABLE = ROOT / "evals/stats/ci_coverage_table.py"
 
 
 def main() -> int:

@@ -3,7 +3,7 @@ a `qtool bench serve --speculative eagle3:DIR` run measured.
 
 Each concurrency-1 tier's `speculative_ceiling` holds the measured draft cost r (one head step over one target
 decode step), the verify cost per extra token v and the prefill share p of a request. With the engine's own
-model of a step (qtoolkit/spec_ceiling.py: decode = max over k of E(a, k) / ((1 + k v)(1 + k r)),
+model of a step (qtoolkit/bench/spec_ceiling.py: decode = max over k of E(a, k) / ((1 + k v)(1 + k r)),
 request = 1 / (p + (1 - p) / decode)), this finds by bisection the smallest acceptance a whose request speedup
 reaches the target, and prints it beside the acceptance the head reached in that run.
 

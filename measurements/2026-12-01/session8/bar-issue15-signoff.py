@@ -23,7 +23,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from qtoolkit.sources import resolve_model
+from qtoolkit.model.sources import resolve_model
 
 HERE = Path(__file__).resolve().parent
 spec = importlib.util.spec_from_file_location("bar15", HERE.parent / "session7" / "bar-issue15.py")

@@ -109,7 +109,7 @@ def serve_instrumented(argv: list[str]) -> None:
 
 # ---- driver side -------------------------------------------------------------------------------------------------
 def _workload(tree: str) -> list[dict]:
-    code = ("import json; from qtoolkit.workloads import build_workload; "
+    code = ("import json; from qtoolkit.bench.workloads import build_workload; "
             "print(json.dumps([[r.index, r.kind, r.prompt, r.max_tokens] for r in build_workload('mixed', 32, seed=0, "
             "mean_output_tokens=64, max_output_tokens=128)]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "QTOOLKIT_SRC": tree},
@@ -129,9 +129,9 @@ def _summ(steps: list[dict]) -> dict:
 
 
 def measure(label: str, tree: str, requests: list[list], c1: bool) -> dict:
-    from qtoolkit.load_client import run_load, summarize, warm_up
+    from qtoolkit.bench.load_client import run_load, summarize, warm_up
+    from qtoolkit.bench.workloads import BenchRequest
     from qtoolkit.server.process import free_port
-    from qtoolkit.workloads import BenchRequest
 
     reqs = [BenchRequest(i, k, p, m) for i, k, p, m in requests]
     port = free_port()

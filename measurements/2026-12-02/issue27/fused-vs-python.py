@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from qtoolkit.decode_bench import PROMPT
+from qtoolkit.bench.decode import PROMPT
 from qtoolkit.engine import Engine, EngineConfig, SamplingParams
 
 

@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 from ...draft.format import load_head
 from ...model.llama import LlamaModel
 from ...model.loader import load_model
-from ...sources import resolve_model
+from ...model.sources import resolve_model
 from ..model_runner import ModelRunner
 from .base import MAX_SPECULATIVE_TOKENS, Proposer, SpeculativeConfigError
 from .draft import DraftModelProposer

@@ -1,0 +1,1 @@
+"""Eval backends: what a task needs from a model (generate, score), from the engine, transformers or an endpoint."""

@@ -1,0 +1,1 @@
+"""Benchmarks: the same traffic sent to systems side by side, in interleaved rounds, and batch-1 decode."""

@@ -1,0 +1,112 @@
+"""Single-stream (batch-1) greedy decode speed of the engine against its peers, measured side by side.
+
+Every system decodes the same prompt for the same number of tokens; rounds interleave the systems so drift on a
+shared machine hits all of them alike. Decode tok/s counts the tokens after the first one over the time since the
+first one, so prefill is left out for every system the same way. Peers:
+- `llama.cpp`: llama-cpp-python on the default model's own GGUF (Q4_1 for SmolLM2), when it is installed, in a
+  child process (qtoolkit/peers/), so a crash there is an error line and not the end of qtool;
+- `hf`: transformers `generate` on the same safetensors folder the engine loads (fp32 unless --dtype says).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+from ..engine import Engine, EngineConfig, SamplingParams
+from ..errors import QToolError
+from ..peers.llama_cpp import LlamaCppPeer
+
+PROMPT = 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
+
+# A decoder runs: given a token budget, returns the wall-clock time at each generated token (first token first).
+Decoder = Callable[[int], list[float]]
+
+
+def engine_decoder(model: str, dtype: str, threads: int) -> tuple[Decoder, dict[str, Any]]:
+    engine = Engine(model, EngineConfig(dtype=dtype, kv_cache_memory="256MiB"))
+
+    def run(n: int) -> list[float]:
+        engine.add_request("decode-bench", PROMPT, SamplingParams(max_tokens=n, ignore_eos=True))
+        stamps = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                stamps += [time.perf_counter()] * len(out.new_token_ids)
+        return stamps
+
+    run.engine = engine  # decode_breakdown times this engine's steps after the rounds
+    return run, {"model": engine.source.describe(), "dtype": str(engine.model.dtype).removeprefix("torch."),
+                 "threads": threads}
+
+
+def llama_cpp_decoder(gguf: Path, threads: int) -> tuple[Decoder, dict[str, Any]]:
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise QToolError("llama.cpp comparison needs llama-cpp-python: install the `llamacpp` extra as the README "
+                         "says (it compiles llama.cpp, ~10 min on 2 cores), or drop llama.cpp from --compare")
+    peer = LlamaCppPeer(gguf, threads, PROMPT)
+    return peer.decode, {"gguf": str(gguf), **peer.info, "threads": threads, "process": "child"}
+
+
+def hf_decoder(folder: Path, dtype: str) -> tuple[Decoder, dict[str, Any]]:
+
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, use_safetensors=True).eval()
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+
+    def run(n: int) -> list[float]:
+        stamps: list[float] = []
+
+        class Stamper(TextStreamer):
+            def put(self, value):  # called once with the prompt, then once per generated token
+                stamps.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=Stamper(tok))
+        return stamps[1:]
+
+    return run, {"folder": str(folder), "dtype": str(torch_dtype).removeprefix("torch.")}
+
+
+def decode_rate(stamps: list[float]) -> float:
+    if len(stamps) < 2:
+        raise QToolError("a decoder produced fewer than 2 tokens: raise --tokens")
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def run_decode_bench(systems: dict[str, tuple[Decoder, dict[str, Any]]], *, tokens: int, rounds: int,
+                     baseline: str | None, progress=None) -> dict[str, Any]:
+    samples: dict[str, list[float]] = {name: [] for name in systems}
+    for decode, _ in systems.values():  # warm-up: kernels built, caches touched, threads spun up
+        decode(min(8, tokens))
+    for _ in range(rounds):
+        for name, (decode, _) in systems.items():
+            samples[name].append(decode_rate(decode(tokens)))
+            if progress is not None:
+                progress.update(1)
+    results = {name: {"decode_tok_per_s": statistics.median(s), "samples": s, **info}
+               for (name, (_, info)), s in zip(systems.items(), samples.values(), strict=True)}
+    ratios = {}
+    if baseline is not None and baseline in results:
+        base = results[baseline]["decode_tok_per_s"]
+        ratios = {f"{name}_over_{baseline}": r["decode_tok_per_s"] / base
+                  for name, r in results.items() if name != baseline}
+    return {"tokens": tokens, "rounds": rounds, "prompt": PROMPT, "systems": results, "ratios": ratios}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [f"{'system':<28} {'decode tok/s':>12}  samples"]
+    for name, r in report["systems"].items():
+        lines.append(f"{name:<28} {r['decode_tok_per_s']:>12.1f}  " + ", ".join(f"{s:.1f}" for s in r["samples"]))
+    lines += [f"{k} = {v:.2f}x" for k, v in report["ratios"].items()]
+    return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""Where a batch-1 decode token's time goes in the engine, against the DRAM roofline (`qtool bench decode`).
+
+One extra greedy decode per engine checkpoint, after the timed rounds, with timers on: the engine step's wall
+time per decode step is split into
+- weight GEMV: every Linear of the layers and the LM head (in the C++ layer loop its own timers, else timers
+  around each Linear's forward);
+- attention: RoPE, the KV-cache append and paged attention;
+- other ops: everything else inside the model's forward (norms, SwiGLU, the embedding gather, glue);
+- host overhead: the engine step outside the forward (scheduling, batch preparation, sampling, detokenizing).
+The roofline is the tok/s at which a step would only stream its weights once at the DRAM bandwidth measured as
+`qtool diagnose` measures it (kernels/roofline.measure_bandwidth); the fraction is achieved / roofline.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..diagnose.run import model_bytes
+from ..engine import Engine, SamplingParams
+from ..model.decode_plan import DecodePlan
+
+
+@dataclass
+class DecodeBreakdown:
+    steps: int
+    ms_per_token: float  # mean wall time of a batch-1 decode step (one token): the sum of the four parts
+    gemv_ms: float
+    attention_ms: float
+    other_ms: float
+    host_ms: float
+    layer_loop: str  # "c++" (model/decode_plan.py) or "python"
+    weight_bytes_per_token: int
+    bandwidth_gb_s: float
+    roofline_tok_s: float
+    roofline_fraction: float  # (1000 / ms_per_token) / roofline_tok_s
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Timers:
+    def __init__(self):
+        self.gemv = self.attention = self.attention_linears = self.forward = 0.0
+        self.wrapped: list = []
+
+    def wrap(self, module, field: str) -> None:
+        """Time `module.forward` into `field` (an instance attribute shadows the class's method)."""
+        inner = module.forward
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                setattr(self, field, getattr(self, field) + time.perf_counter() - t)
+
+        module.__dict__["forward"] = timed
+        self.wrapped.append(module)
+
+
+@contextmanager
+def _instrumented(model) -> Iterator[_Timers]:
+    timers = _Timers()
+    timers.wrap(model, "forward")
+    timers.wrap(model.lm_head, "gemv")
+    for layer in model.layers:
+        attn, mlp = layer.attn, layer.mlp
+        for lin in (attn.qkv_proj, attn.o_proj):
+            timers.wrap(lin, "attention_linears")
+        timers.wrap(attn, "attention")
+        for lin in (getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)):
+            if lin is not None:
+                timers.wrap(lin, "gemv")
+    try:
+        yield timers
+    finally:
+        for module in timers.wrapped:
+            module.__dict__.pop("forward", None)
+
+
+def _timed_steps(engine: Engine) -> list[float]:
+    walls = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t)
+    return walls
+
+
+def measure_breakdown(engine: Engine, prompt: str, tokens: int, bandwidth_gb_s: float) -> DecodeBreakdown:
+    """One timed greedy decode of `tokens` tokens at batch 1, split as the module docstring says."""
+    model = engine.model
+    engine.add_request("decode-breakdown", prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    engine.step()  # the prefill step is not a decode step
+    engine.step()  # the first decode step binds the C++ plan
+    plan = model.decode_plan
+    if isinstance(plan, DecodePlan):
+        plan.plan.reset_times()
+    with _instrumented(model) as timers:
+        walls = _timed_steps(engine)
+    plan = model.decode_plan
+    fused = isinstance(plan, DecodePlan) and plan.plan.times()[0] > 0
+    gemv, attention = timers.gemv, timers.attention - timers.attention_linears
+    gemv += timers.attention_linears
+    other = timers.forward - gemv - attention
+    if fused:
+        loop_gemv, loop_attention, _ = plan.plan.times()
+        gemv += loop_gemv
+        attention += loop_attention
+        other -= loop_gemv + loop_attention
+    n = len(walls)
+    per_token = statistics.fmean(walls)
+    weight_bytes = model_bytes(model).decode_bytes_per_step
+    roof = bandwidth_gb_s * 1e9 / weight_bytes
+    ms = 1e3 / n
+    return DecodeBreakdown(
+        steps=n, ms_per_token=round(1e3 * per_token, 3), gemv_ms=round(gemv * ms, 3),
+        attention_ms=round(attention * ms, 3), other_ms=round(other * ms, 3),
+        host_ms=round((sum(walls) - timers.forward) * ms, 3), layer_loop="c++" if fused else "python",
+        weight_bytes_per_token=weight_bytes, bandwidth_gb_s=round(bandwidth_gb_s, 2), roofline_tok_s=round(roof, 1),
+        roofline_fraction=round(1.0 / per_token / roof, 3))
+
+
+def format_breakdown(name: str, b: DecodeBreakdown) -> str:
+    return (f"{name}: {b.ms_per_token:.2f} ms/token ({b.layer_loop} layer loop) = GEMV {b.gemv_ms:.2f} + "
+            f"attention {b.attention_ms:.2f} + other ops {b.other_ms:.2f} + host {b.host_ms:.2f} ms; "
+            f"{b.weight_bytes_per_token / 1e6:.1f} MB/token at {b.bandwidth_gb_s:.1f} GB/s: roofline "
+            f"{b.roofline_tok_s:.0f} tok/s, reached {100 * b.roofline_fraction:.0f}%")

@@ -1,0 +1,96 @@
+"""Throughput of two deployments (candidate and baseline endpoints) under the same load, tier by tier.
+
+The load generator, workload and tier sizes are those of `qtool bench serve --endpoint`, so a tier here and a
+standalone `qtool bench serve` against the same endpoint send the same requests (same `workload_sha256`). The two
+endpoints alternate within each tier, and at the top tier they serve `rounds` rounds of fresh requests back to
+back: the throughput gate judges the spread of the per-round ratios, as it does for the local ablation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict
+from typing import Any
+
+from qtoolkit.evals.stats.paired import ratio_over_rounds
+
+from ..endpoints.deployment import Deployment, EndpointError, EndpointInfo
+from ..provenance import provenance
+from .load_client import requests_sha256, run_load, summarize, warm_up
+from .loop import fresh_requests, measure_tier, repeat_rounds, requests_per_tier
+from .workloads import build_workload
+
+ROLES = ("baseline", "candidate")
+
+
+def _measure(dep: Deployment, info: EndpointInfo, reqs: list[Any], concurrency: int, seed: int,
+             ignore_eos: bool) -> dict[str, Any]:
+    res, duration = asyncio.run(run_load(info.url, info.model_id, reqs, concurrency=concurrency, seed=seed,
+                                         ignore_eos=ignore_eos, api_key=dep.api_key()))
+    summary = summarize(res, duration)
+    if summary["failed"]:
+        # a throughput with dropped requests measures the failures, not the deployment: ERROR, never a verdict
+        raise EndpointError(f"the {dep.role} endpoint {info.url} failed {summary['failed']} of {len(res)} benchmark "
+                            f"requests at concurrency {concurrency} (first: {(summary['errors'] or ['no error text'])[0]}): check the "
+                            "endpoint and run the same sign-off again (finished steps are reused)")
+    return {"endpoint": info.url, "model_id": info.model_id, **summary,
+            "retried_requests": sum(1 for r in res if r.retries)}
+
+
+def bench_deployments(deps: dict[str, Deployment], infos: dict[str, EndpointInfo], *, concurrency: list[int],
+                      num_requests: int | None = None, mean_output_tokens: int = 64, max_output_tokens: int = 128,
+                      workload: str = "mixed", seed: int = 0, rounds: int = 1,
+                      ignore_eos: bool = True) -> dict[str, Any]:
+    sizes = [requests_per_tier(c, num_requests) for c in concurrency]
+    requests = build_workload(workload, sum(sizes), seed=seed, mean_output_tokens=mean_output_tokens,
+                              max_output_tokens=max_output_tokens)
+    for role in ROLES:  # first requests pay one-off costs (the same warm-up as `qtool bench serve`)
+        warm_up(infos[role].url, infos[role].model_id, seed=seed, ignore_eos=ignore_eos, api_key=deps[role].api_key())
+
+    def measure(role: str, reqs: list[Any], c: int, s: int) -> dict[str, Any]:
+        return _measure(deps[role], infos[role], reqs, c, s, ignore_eos)
+
+    tiers, offset = [], 0
+    for t, (c, n) in enumerate(zip(concurrency, sizes, strict=True)):
+        results = measure_tier(ROLES, requests[offset:offset + n], c, t, seed + t, measure)
+        offset += n
+        tiers.append({"concurrency": c, "num_requests": n, "results": results})
+    round_requests: list[Any] = []
+    if rounds > 1:
+        def fresh(k: int) -> list[Any]:
+            reqs = fresh_requests(workload, sizes[-1], requests + round_requests, seed=seed + 100 + k,
+                                  mean_output_tokens=mean_output_tokens, max_output_tokens=max_output_tokens)
+            round_requests.extend(reqs)
+            return reqs
+
+        tiers[-1]["rounds"] = repeat_rounds(ROLES, tiers[-1]["results"], rounds, fresh, concurrency[-1], seed, measure)
+    return {**provenance(candidate=infos["candidate"].url, baseline=infos["baseline"].url,
+                         workload_sha256=requests_sha256(requests),
+                         rounds_workload_sha256=requests_sha256(round_requests)),
+            "config": {"concurrency": concurrency, "num_requests": num_requests, "workload": workload,
+                       "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens,
+                       "seed": seed, "rounds": rounds, "ignore_eos": ignore_eos, "api": "completions"},
+            "endpoints": {r: asdict(infos[r]) for r in ROLES},
+            "tiers": tiers}
+
+
+def throughput_table(bench: dict[str, Any]) -> dict[str, Any]:
+    """Per tier: candidate ÷ baseline output tok/s (and over rounds at the top tier), in the shape the throughput
+    gate reads: the candidate deployment is the full stack, the baseline deployment what it replaces."""
+    rows = []
+    for tier in bench["tiers"]:
+        res = tier["results"]
+        c, b = res["candidate"], res["baseline"]
+        ok = c["completed"] and b["completed"] and not c["failed"] and not b["failed"] and b["output_tok_per_s"]
+        row = {"concurrency": tier["concurrency"], "num_requests": tier["num_requests"],
+               "endpoints": {r: {"endpoint": res[r]["endpoint"], "model_id": res[r]["model_id"],
+                                 "output_tok_per_s": res[r]["output_tok_per_s"],
+                                 "requests_per_s": res[r]["requests_per_s"], "completed": res[r]["completed"],
+                                 "failed": res[r]["failed"], "ttft_p50_s": res[r]["ttft_s"]["p50"],
+                                 "tpot_p50_s": res[r]["tpot_s"]["p50"]} for r in ROLES},
+               "total_speedup": c["output_tok_per_s"] / b["output_tok_per_s"] if ok else None}
+        rounds = tier.get("rounds")
+        if ok and rounds:
+            row["total_speedup_rounds"] = ratio_over_rounds(rounds["candidate"], rounds["baseline"])
+        rows.append(row)
+    return {"tiers": rows, "workload_sha256": bench["inputs"]["workload_sha256"]}

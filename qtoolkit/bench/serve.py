@@ -1,0 +1,351 @@
+"""`qtool bench serve`: systems x concurrency tiers against our server or any OpenAI-compatible endpoint,
+interleaved, with ratios (and their intervals over rounds) and the HF baseline. The requests themselves go through
+the shared load client (load_client.py): streamed, so TTFT, ITL and TPOT are measured as a user sees them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from ..engine.config import EngineConfig
+from ..errors import QToolError
+from ..model.sources import resolve_model
+from ..progress import status
+from ..provenance import provenance
+from ..server.process import server_process
+from .load_client import normalize_endpoint, requests_sha256, run_load, served_models, summarize, warm_up
+from .loop import Measure, fresh_requests, measure_tier, ratio_rounds, repeat_rounds, requests_per_tier
+from .spec_ceiling import prefill_share, scrape_speculative, speculation_ceiling, tier_delta
+from .systems import ENDPOINT, HF, System, serve_systems
+from .vllm_names import vllm_run_fields
+from .workload_files import attach_length_probe, describe_workload
+from .workloads import BenchRequest, build_workload
+
+
+# ---- HF transformers baseline: the same requests in static batches --------------------------------------------
+def hf_generate_tier(model: Any, tokenizer: Any, requests: list[BenchRequest], batch_size: int) -> dict[str, Any]:
+    """Run `requests` through HF `generate` in static batches of `batch_size`, EOS ignored like the server.
+
+    A batch runs until its longest request is done; only the tokens each request asked for count as output.
+    """
+    import torch  # optional: only `--compare hf` runs transformers here
+
+    # No EOS at all rather than min_new_tokens: its logits processor costs more than a small model's step.
+    config = copy.deepcopy(model.generation_config)
+    config.update(eos_token_id=None, pad_token_id=tokenizer.pad_token_id, do_sample=False)
+    generated = 0
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i:i + batch_size]
+        prompts = [r.prompt if r.messages is None else tokenizer.apply_chat_template(
+            list(r.messages), tokenize=False, add_generation_prompt=True) for r in batch]
+        enc = tokenizer(prompts, return_tensors="pt", padding=True)
+        config.max_new_tokens = max(r.max_tokens for r in batch)
+        with torch.inference_mode():
+            out = model.generate(**enc, generation_config=config)
+        generated += (out.shape[1] - enc["input_ids"].shape[1]) * len(batch)
+    duration = time.perf_counter() - start
+    output_tokens = sum(r.max_tokens for r in requests)
+    return {"num_requests": len(requests), "completed": len(requests), "failed": 0, "duration_s": duration,
+            "batch_size": batch_size, "output_tokens": output_tokens, "generated_tokens": generated,
+            "output_tok_per_s": output_tokens / duration, "requests_per_s": len(requests) / duration}
+
+
+def load_hf(model_path: Any, dtype: str) -> tuple[Any, Any]:
+    import torch  # optional: only `--compare hf` loads transformers here
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, use_safetensors=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+# ---- one `qtool bench serve` run: systems x concurrency tiers, interleaved ---------------------------------------
+def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
+    if not a or not b or not b.get("output_tok_per_s") or a.get("failed") or b.get("failed"):
+        return None
+    return a["output_tok_per_s"] / b["output_tok_per_s"]
+
+
+def _ratio_pairs(systems: list[System]) -> list[tuple[str, str, str]]:
+    """(ratio key, numerator, denominator): continuous over static, each speculative system over itself
+    without speculation."""
+    pairs = [("continuous_over_static", "continuous", "static")]
+    pairs += [(f"{s.label}_over_{s.plain.label}", s.label, s.plain.label) for s in systems if s.speculative]
+    return pairs
+
+
+def _tier_ratios(results: dict[str, Any], systems: list[System]) -> dict[str, float]:
+    ratios = {key: _ratio(results.get(a), results.get(b)) for key, a, b in _ratio_pairs(systems)}
+    ratios["engine_over_hf"] = _ratio(results.get("continuous") or results.get("static"), results.get(HF))
+    return {k: v for k, v in ratios.items() if v is not None}
+
+
+def _update_tier(report: dict[str, Any], systems: list[System], tier: dict[str, Any],
+                 on_tier: Callable[[dict[str, Any]], None] | None) -> None:
+    """Record (or refresh) `tier` with the systems measured so far and hand the report to `on_tier`."""
+    tier["ratios"] = _tier_ratios(tier["results"], systems)
+    tiers = report["tiers"]
+    if tiers and tiers[-1]["concurrency"] == tier["concurrency"] and tiers[-1]["num_requests"] == tier["num_requests"]:
+        tiers[-1] = tier
+    else:
+        tiers.append(tier)
+    report["speculative_curve"] = _speculative_curve(report["tiers"], systems)
+    if on_tier is not None:
+        on_tier(report)  # long CPU runs keep what they measured if stopped
+
+
+def _add_ceilings(results: dict[str, Any], systems: list[System], concurrency: int,
+                  num_speculative_tokens: int) -> None:
+    """At concurrency 1: each speculative system's ceiling from its measured costs (see spec_ceiling)."""
+    if concurrency != 1:
+        return
+    for s in systems:
+        res, plain = results.get(s.label), results.get(s.plain.label)
+        share = prefill_share(plain) if s.speculative and plain else None
+        if res and "speculative_engine" in res and share is not None:
+            res["speculative_ceiling"] = speculation_ceiling(res["speculative_engine"], prefill_share=share,
+                                                             num_speculative_tokens=num_speculative_tokens)
+
+
+def _speculative_curve(tiers: list[dict[str, Any]], systems: list[System]) -> dict[str, list[dict[str, Any]]]:
+    """Per speculative system: spec / no-spec output tok/s at each concurrency (the load-aware policy's curve),
+    with its 95% interval over rounds when the run repeated them."""
+    curve: dict[str, list[dict[str, Any]]] = {}
+    for tier in tiers:
+        for s in systems:
+            key = f"{s.label}_over_{s.plain.label}"
+            if not s.speculative or key not in tier["ratios"]:
+                continue
+            point = {"concurrency": tier["concurrency"], "speedup": tier["ratios"][key]}
+            if (over_rounds := tier.get("ratios_rounds", {}).get(key)) is not None:
+                point["ci95"] = over_rounds["ci95"]
+            if ceiling := tier["results"][s.label].get("speculative_ceiling"):
+                point["ceiling"] = ceiling["measured_acceptance"]["request_speedup"]
+                point["ceiling_at_full_acceptance"] = ceiling["full_acceptance"]["request_speedup"]
+            curve.setdefault(s.label, []).append(point)
+    return curve
+
+
+def _check_serve_args(endpoint: str | None, concurrency: list[int], compare_hf: bool, rounds: int,
+                      engine: EngineConfig) -> None:
+    if any(c <= 0 for c in concurrency):
+        raise QToolError(f"--concurrency takes positive integers, got {concurrency}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise QToolError(f"--rounds {rounds!r} is not a positive integer: pass 1 (no interval) or more")
+    if endpoint and compare_hf:
+        raise QToolError("--compare hf needs a local --model to load; drop --endpoint or --compare")
+    if not endpoint and max(concurrency) > engine.max_num_seqs:
+        raise QToolError(f"concurrency {max(concurrency)} exceeds --max-num-seqs {engine.max_num_seqs}: raise it")
+
+
+def _endpoint_model(url: str, model: str, api_key: str | None) -> str:
+    """The model name to send to someone's endpoint: `model` if it serves it, its only one for `default`."""
+    try:
+        names = asyncio.run(served_models(url, api_key))
+    except httpx.HTTPError as e:
+        raise QToolError(f"cannot list models at {url} ({type(e).__name__}: {e}): check the URL and --api-key") \
+            from None
+    if model in names:
+        return model
+    if model != "default" or not names:
+        raise QToolError(f"the endpoint serves {names}, not {model!r}: pass one of them as --model")
+    return names[0]
+
+
+def _start_servers(stack: contextlib.ExitStack, model: str, systems: list[System],
+                   engine: EngineConfig) -> dict[str, str]:
+    """One `qtool serve` subprocess per system, stopped when `stack` closes; label -> base URL."""
+    urls = {}
+    for s in systems:
+        status(f"starting a {s.batching}-batching server for {model}"
+               + (f" with --speculative {s.speculative}" if s.speculative else ""))
+        urls[s.label] = stack.enter_context(server_process(model, s.engine_config(engine)))
+    return urls
+
+
+def _measurer(urls: dict[str, str], systems: list[System], model: str, *, rate: float | None, api: str,
+              ignore_eos: bool, api_key: str | None) -> Measure:
+    """How one system serves one batch of requests: the load generator's summary, plus, for a speculative
+    system, what its engine did meanwhile (two /metrics scrapes differenced)."""
+    speculative = {s.label for s in systems if s.speculative}
+
+    def measure(label: str, reqs: list[BenchRequest], concurrency: int, seed: int) -> dict[str, Any]:
+        before = scrape_speculative(urls[label], api_key) if label in speculative else None
+        res, duration = asyncio.run(run_load(urls[label], model, reqs, concurrency=concurrency, rate=rate,
+                                             seed=seed, api=api, ignore_eos=ignore_eos, api_key=api_key))
+        summary = summarize(res, duration)
+        if label in speculative and (engine := tier_delta(before, scrape_speculative(urls[label], api_key))):
+            summary["speculative_engine"] = engine
+        return summary
+
+    return measure
+
+
+def bench_serve(model: str = "default", engine: EngineConfig | None = None, *, endpoint: str | None = None,
+                concurrency: list[int] | None = None, batching: list[str] | None = None,
+                speculative: list[str] | None = None, workload: Any = "mixed", rate: float | None = None,
+                num_requests: int | None = None, compare_hf: bool = False, seed: int = 0,
+                mean_output_tokens: int = 64, max_output_tokens: int = 128, api: str = "completions",
+                ignore_eos: bool = True, api_key: str | None = None, rounds: int = 1,
+                on_tier: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Measure every system on the same requests, tier by tier; returns the report (see `format_table`).
+
+    `engine` holds the started servers' engine options; each system sets its own batching mode and proposer
+    (`batching` x [no speculation, *`speculative`]). With rounds > 1 each tier is served again on fresh requests,
+    rounds - 1 more times, interleaved, and every ratio gets a 95% interval over the rounds.
+    `on_tier(report)` is called after each measured system with the report so far (`complete` stays False until
+    the end)."""
+    engine = engine or EngineConfig()
+    concurrency = concurrency or [1, 4, 16, 32]
+    _check_serve_args(endpoint, concurrency, compare_hf, rounds, engine)
+    systems = [System(kind=ENDPOINT)] if endpoint else serve_systems(batching or ["continuous"], speculative or [])
+    source = None if endpoint else resolve_model(model)
+    with contextlib.ExitStack() as stack:
+        if endpoint:
+            urls = {ENDPOINT: normalize_endpoint(endpoint)}
+            model = _endpoint_model(urls[ENDPOINT], model, api_key)
+        else:
+            urls = _start_servers(stack, model, systems, engine)
+        for url in urls.values():
+            warm_up(url, model, seed=seed, api=api, ignore_eos=ignore_eos, api_key=api_key)
+        first = next(iter(urls))  # a workload file's lines without max_tokens: their answer length here
+        attach_length_probe(workload, urls[first], model, name=first, api_key=api_key)
+        run = _ServeRun(systems, _measurer(urls, systems, model, rate=rate, api=api, ignore_eos=ignore_eos,
+                                           api_key=api_key),
+                        workload, seed, mean_output_tokens, max_output_tokens, rounds, on_tier,
+                        engine.num_speculative_tokens)
+        requests = run.build_requests(concurrency, num_requests)
+        hf = _load_hf_warm(source, engine.dtype, seed) if compare_hf else None
+        config = {"model": model, "endpoint": endpoint, "systems": list(urls) + ([HF] if hf else []),
+                  "concurrency": concurrency, "workload": describe_workload(workload), "rate_qps": rate, "seed": seed,
+                  "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens, "api": api,
+                  "ignore_eos": ignore_eos, "kv_cache_memory": engine.kv_cache_memory,
+                  "max_num_seqs": engine.max_num_seqs, "dtype": engine.dtype, "speculative": speculative or [],
+                  "num_speculative_tokens": engine.num_speculative_tokens, "rounds": rounds,
+                  "engine": dataclasses.asdict(engine),
+                  "hf_note": "HF runs the tier's requests offline in static batches of the tier's concurrency "
+                             "(no arrivals); only requested tokens count"}
+        prov = provenance(model=source.describe() if source else {"name": model, "endpoint": endpoint},
+                          workload_sha256=requests_sha256(requests))
+        report = {**prov, "config": config, "complete": False, "tiers": []}
+        run.measure_tiers(report, hf)
+    if rounds > 1:
+        report["inputs"]["rounds_workload_sha256"] = requests_sha256(run.round_requests)
+    report["complete"] = True
+    return report
+
+
+def _load_hf_warm(source: Any, dtype: str, seed: int) -> tuple[Any, Any]:
+    hf = load_hf(source.path, dtype)
+    hf_generate_tier(*hf, build_workload("code", 1, seed=seed + 1, mean_output_tokens=4, max_output_tokens=8), 1)
+    return hf
+
+
+@dataclasses.dataclass
+class _ServeRun:
+    """One bench serve run's tiers: the systems, how one is measured, the requests and the rounds."""
+
+    systems: list[System]
+    measure: Measure
+    workload: Any
+    seed: int
+    mean_output_tokens: int
+    max_output_tokens: int
+    rounds: int
+    on_tier: Callable[[dict[str, Any]], None] | None
+    num_speculative_tokens: int
+    tiers: list[tuple[int, list[BenchRequest]]] = dataclasses.field(default_factory=list)
+    requests: list[BenchRequest] = dataclasses.field(default_factory=list)
+    round_requests: list[BenchRequest] = dataclasses.field(default_factory=list)
+
+    def build_requests(self, concurrency: list[int], num_requests: int | None) -> list[BenchRequest]:
+        sizes = [requests_per_tier(c, num_requests) for c in concurrency]
+        requests = build_workload(self.workload, sum(sizes), seed=self.seed,
+                                  mean_output_tokens=self.mean_output_tokens, max_output_tokens=self.max_output_tokens)
+        offset = 0
+        for c, n in zip(concurrency, sizes, strict=True):
+            self.tiers.append((c, requests[offset:offset + n]))
+            offset += n
+        self.requests = requests
+        return requests
+
+    def fresh(self, t: int, n: int) -> Callable[[int], list[BenchRequest]]:
+        def draw(r: int) -> list[BenchRequest]:
+            reqs = fresh_requests(self.workload, n, self.requests + self.round_requests,
+                                  seed=self.seed + 100 * (t + 1) + r, mean_output_tokens=self.mean_output_tokens,
+                                  max_output_tokens=self.max_output_tokens)
+            self.round_requests += reqs
+            return reqs
+        return draw
+
+    def measure_tiers(self, report: dict[str, Any], hf: tuple[Any, Any] | None) -> None:
+        labels = [s.label for s in self.systems]
+        for t, (c, reqs) in enumerate(self.tiers):
+            tier = {"concurrency": c, "num_requests": len(reqs),
+                    **vllm_run_fields(c, len(reqs), report["config"].get("rate_qps")), "results": {}}
+
+            def on_result(results: dict[str, Any], tier: dict[str, Any] = tier, c: int = c) -> None:
+                _add_ceilings(results, self.systems, c, self.num_speculative_tokens)
+                tier["results"] = dict(results)
+                _update_tier(report, self.systems, tier, self.on_tier)
+
+            results = measure_tier(labels, reqs, c, t, self.seed + t, self.measure, on_result)
+            if self.rounds > 1:
+                tier["rounds"] = repeat_rounds(labels, results, self.rounds, self.fresh(t, len(reqs)), c,
+                                               self.seed + t, self.measure)
+                tier["ratios_rounds"] = {key: r for key, a, b in _ratio_pairs(self.systems)
+                                         if (r := ratio_rounds(tier["rounds"], a, b)) is not None}
+                _update_tier(report, self.systems, tier, self.on_tier)
+            if hf is not None:
+                status(f"concurrency {c}: {len(reqs)} requests through HF generate (static batches of {c})")
+                tier["results"][HF] = hf_generate_tier(*hf, reqs, c)
+                _update_tier(report, self.systems, tier, self.on_tier)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    def ms(block: dict[str, Any] | None, key: str) -> str:
+        v = (block or {}).get(key)
+        return "-" if v is None else f"{1000 * v:.0f}"
+
+    head = (f"{'system':<11}{'conc':>5}{'ok':>7}{'out tok/s':>11}{'req/s':>8}{'TTFT p50/p99 ms':>17}"
+            f"{'TPOT p50/p99 ms':>17}{'ITL p50/p99 ms':>16}")
+    lines = [head, "-" * len(head)]
+    for tier in report["tiers"]:
+        for name, r in tier["results"].items():
+            lat = [f"{ms(r.get(k), 'p50')}/{ms(r.get(k), 'p99')}" for k in ("ttft_s", "tpot_s", "itl_s")]
+            lines.append(f"{name:<11}{tier['concurrency']:>5}{r['completed']:>4}/{r['num_requests']:<2}"
+                         f"{r['output_tok_per_s']:>11.1f}{r['requests_per_s']:>8.2f}{lat[0]:>17}{lat[1]:>17}"
+                         f"{lat[2]:>16}")
+        for k, v in tier["ratios"].items():
+            over_rounds = tier.get("ratios_rounds", {}).get(k)
+            lines.append(f"{'':<16}{k} = {v:.2f}x" + (_rounds_text(over_rounds) if over_rounds else ""))
+        for name, r in tier["results"].items():
+            if (e := r.get("speculative_engine")) is not None:
+                lines.append(f"{'':<16}{name}: drafted {e['draft_tokens']}, accepted {e['accepted_tokens']} "
+                             f"(by position {e['acceptance_by_position'][:4]}), proposer {e['proposer_share']:.0%}"
+                             f" of spec time, draft cost r={e['draft_cost_ratio']:.2f}, "
+                             f"verify cost v={e['verify_cost_per_token']:.2f}/token")
+            if (cl := r.get("speculative_ceiling")) is not None:
+                m, f = cl["measured_acceptance"], cl["full_acceptance"]
+                lines.append(f"{'':<16}{name}: ceiling at these costs {m['request_speedup']:.2f}x "
+                             f"(k={m['best_k']}), at acceptance 1 {f['request_speedup']:.2f}x (k={f['best_k']}); "
+                             f"prefill is {cl['prefill_share']:.0%} of a request")
+    return "\n".join(lines)
+
+
+def _rounds_text(over_rounds: dict[str, Any]) -> str:
+    """A ratio's figure over rounds: geometric mean and 95% interval (none from one round)."""
+    ci = over_rounds.get("ci95")
+    interval = f", 95% CI [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+    return f"; over {over_rounds['rounds']} rounds {over_rounds['ratio']:.2f}x{interval}"

@@ -1,0 +1,95 @@
+"""What speculation did inside the server during one bench tier, and what it could have bought at best.
+
+The load generator sees only tokens and timings; the engine's side (draft and verify time, acceptance per draft
+position, the policy's cost estimates) comes from the server's Prometheus `/metrics`, scraped before and after the
+tier and differenced. From those measured costs the tier gets a ceiling: the speedup the policy's own cost model
+(Leviathan et al.) allows at the measured acceptance and at perfect acceptance, first for the decode steps, then
+for whole requests, where the prefill share measured on the no-spec system of the same tier does not speed up.
+The ceiling is reported for concurrency 1, where a request's time is its own prefill plus its decode steps.
+The model takes draft positions as independent trials of the first position's acceptance; prompt lookup's
+acceptance is bursty (a match tends to run on), so it can beat the "measured acceptance" figure. The figure at
+acceptance 1 is a true bound for the measured r and v: no step can emit more than k + 1 tokens. Both costs are
+moving estimates from the same tier, so they carry its noise (v at batch 1 read 0.02-0.13 across runs here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from ..engine.params import SpeculativeUsage
+from ..engine.speculative.policy import SpeculationPolicy
+from ..engine.stats import SpeculativeStats
+from ..server.metrics import parse_speculative
+
+
+async def _get_metrics(base_url: str, api_key: str | None) -> str | None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(headers=headers, timeout=10.0) as client:
+            resp = await client.get(f"{base_url}/metrics")
+    except httpx.HTTPError:
+        return None
+    return resp.text if resp.status_code == 200 else None
+
+
+def scrape_speculative(base_url: str, api_key: str | None = None) -> SpeculativeStats | None:
+    text = asyncio.run(_get_metrics(base_url, api_key))
+    return parse_speculative(text) if text else None
+
+
+def tier_delta(before: SpeculativeStats | None, after: SpeculativeStats | None) -> dict[str, Any] | None:
+    """Engine-side speculation over one tier: counters differenced, the policy's cost estimates as at its end."""
+    if after is None:
+        return None
+    before = before or SpeculativeStats()
+    by_position = []
+    for i, (proposed, accepted) in enumerate(zip(after.proposed_at, after.accepted_at, strict=True)):
+        proposed -= before.proposed_at[i] if i < len(before.proposed_at) else 0
+        accepted -= before.accepted_at[i] if i < len(before.accepted_at) else 0
+        if proposed > 0:
+            by_position.append(round(accepted / proposed, 4))
+    usage = SpeculativeUsage(after.draft_tokens - before.draft_tokens, after.accepted_tokens - before.accepted_tokens,
+                             after.verify_steps - before.verify_steps)
+    propose = after.proposer_seconds - before.proposer_seconds
+    verify = after.verify_seconds - before.verify_seconds
+    return {"draft_tokens": usage.draft_tokens, "accepted_tokens": usage.accepted_tokens,
+            "acceptance_rate": usage.acceptance_rate,
+            "acceptance_by_position": by_position,
+            "verifications": usage.verify_steps,
+            "speculative_steps": after.steps_with_speculation - before.steps_with_speculation,
+            "plain_steps": after.steps_without_speculation - before.steps_without_speculation,
+            "proposer_seconds": round(propose, 4), "verify_seconds": round(verify, 4),
+            "proposer_share": round(propose / (propose + verify), 4) if propose + verify > 0 else 0.0,
+            "draft_cost_ratio": round(after.draft_cost_ratio, 4),
+            "verify_cost_per_token": round(after.verify_cost_per_token, 4)}
+
+
+def speculation_ceiling(engine: dict[str, Any], *, num_speculative_tokens: int,
+                        prefill_share: float) -> dict[str, Any]:
+    """Best speedup the measured costs allow: at the measured first-position acceptance, and at acceptance 1.
+
+    decode = max over k <= K of E(a, k) / ((1 + k v) (1 + k r)), the policy's model of one step;
+    request = 1 / (p + (1 - p) / decode), with p the no-spec system's share of request time spent before the first
+    token (prefill), which speculation does not touch.
+    """
+    policy = SpeculationPolicy(num_speculative_tokens)
+    policy.draft_cost, policy.verify_cost = engine["draft_cost_ratio"], engine["verify_cost_per_token"]
+    measured = engine["acceptance_by_position"][0] if engine["acceptance_by_position"] else 0.0
+    out: dict[str, Any] = {"model": "E(a,k) / ((1 + k v)(1 + k r)); request = 1 / (p + (1 - p) / decode)",
+                           "draft_cost_ratio": policy.draft_cost, "verify_cost_per_token": policy.verify_cost,
+                           "prefill_share": round(prefill_share, 4), "first_position_acceptance": measured}
+    for name, a in (("measured_acceptance", measured), ("full_acceptance", 1.0)):
+        k, gain = policy.best_k(a)
+        gain = max(gain, 1.0)  # below 1 the policy decodes plainly
+        out[name] = {"best_k": k, "decode_speedup": round(gain, 3),
+                     "request_speedup": round(1.0 / (prefill_share + (1.0 - prefill_share) / gain), 3)}
+    return out
+
+
+def prefill_share(result: dict[str, Any]) -> float | None:
+    """Share of a request's time before its first token, from a tier summary at concurrency 1."""
+    ttft, latency = (result.get("ttft_s") or {}).get("mean"), (result.get("latency_s") or {}).get("mean")
+    return ttft / latency if ttft and latency else None

@@ -1,0 +1,1 @@
+"""Endpoints: any OpenAI-compatible server as a deployment to evaluate, benchmark and sign off."""

@@ -1,0 +1,1 @@
+"""Quantization: a recipe in, a compressed-tensors checkpoint and its report out."""

@@ -1,0 +1,330 @@
+"""Sign-off report: report.json (every figure), report.md (for a code review), report.html (self-contained, plots
+embedded as PNG data URIs so the file can be mailed or attached to a release ticket).
+
+report.md is the source of the HTML body: markdown-it-py (CommonMark + tables, raw HTML off) renders it, and a
+jinja2 template with autoescaping wraps it, so no text from a gate, an error or a model name is ever markup."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import numpy as np
+from markdown_it import MarkdownIt
+from markupsafe import Markup
+from matplotlib.figure import Figure
+
+from ..diagnose.result import DiagnoseResult
+from ..evals.summary import RoundsRatio, TaskSummary
+from ..io import write_json, write_text
+from .report_deployment import deployment_lines
+
+_STATUS = {True: "PASS", False: "FAIL"}
+_COLORS = {"PASS": "#1a7f37", "FAIL": "#cf222e", "INCONCLUSIVE": "#9a6700"}
+
+
+def _verdict(g: dict[str, Any]) -> str:
+    """A gate's verdict as shown: PASS / FAIL / INCONCLUSIVE / no evidence (older reports: passed only)."""
+    v = g.get("verdict") or _STATUS[g["passed"]]
+    if g.get("state"):  # e.g. "not measurable" on a deployment sign-off
+        return f"{v} ({g['state']})"
+    return "no evidence" + ("" if g.get("required", True) else " (not required)") if v == "NO EVIDENCE" else v
+
+
+def _cell(v: Any) -> str:
+    """Text for a Markdown table cell: a `|` would end the cell and a newline the row."""
+    return str(v).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def _fmt(v: Any, digits: int = 4) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v + 0.0:.{digits}g}"  # + 0.0 turns -0.0 into 0.0
+    return str(v)
+
+
+# ---- plots ---------------------------------------------------------------------------------------------------
+def _png(fig: Figure) -> str:
+    """A figure as base64 PNG; figures are built without pyplot, so no GUI backend and no global state."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def plot_throughput(report: dict[str, Any]) -> str | None:
+    ab = report.get("ablation")
+    if not ab or not ab["tiers"]:
+        return None
+    fig = Figure(figsize=(6.5, 3.6))
+    ax = fig.subplots()
+    series: dict[str, list[tuple[int, float]]] = {}
+    for tier in ab["tiers"]:
+        for step in tier["steps"]:
+            series.setdefault(step["label"], []).append((tier["concurrency"], step["output_tok_per_s"]))
+    for label, pts in series.items():
+        xs, ys = zip(*pts, strict=True)
+        ax.plot(xs, ys, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Throughput per ablation step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def plot_quality(report: dict[str, Any]) -> str | None:
+    gates = [g for g in report["gates"] if g["name"].split(".")[0] in ("code", "summarization")]
+    if not gates:
+        return None
+    fig = Figure(figsize=(6.5, 0.75 * len(gates) + 0.6))
+    axes = fig.subplots(len(gates), 1, squeeze=False)
+    bounds = report["policy"]["tasks"]
+    for ax, g in zip(axes[:, 0], gates, strict=True):
+        task, metric = g["name"].split(".", 1)
+        bound = bounds[task][metric]
+        limit = bound.get("max") if bound.get("max") is not None else bound.get("min")
+        color = {"PASS": "tab:green", "FAIL": "tab:red"}.get(g.get("verdict") or _STATUS[g["passed"]], "tab:orange")
+        if g["point"] is not None:
+            lo, hi = sorted((g["point"], g["judged"]))
+            ax.errorbar([g["point"]], [0], xerr=[[g["point"] - lo], [hi - g["point"]]], fmt="o", color=color,
+                        capsize=4)
+            ax.plot([g["judged"]], [0], marker="|", markersize=14, color=color)
+        ax.axvline(limit, color="black", linestyle="--", linewidth=1)
+        ax.set_yticks([0], [g["name"]])
+        ax.grid(axis="x", alpha=0.3)
+    axes[0, 0].set_title("Quality: point estimate to the judged CI bound, dashed = policy limit")
+    fig.tight_layout()
+    return _png(fig)
+
+
+def plot_kld(eval_records: dict[str, list[float]]) -> str | None:
+    if not eval_records:
+        return None
+    fig = Figure(figsize=(6.5, 3.2))
+    ax = fig.subplots()
+    for task, values in eval_records.items():
+        v = np.clip(np.asarray(values), 1e-6, None)
+        ax.hist(v, bins=np.logspace(-6, 1.5, 50), alpha=0.55, label=f"{task} ({v.size} tokens)")
+    ax.set_xscale("log")
+    ax.set_xlabel("per-token KL divergence (nats)")
+    ax.set_ylabel("tokens")
+    ax.set_title("KLD of candidate vs baseline next-token distributions")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def plot_memory(report: dict[str, Any]) -> str | None:
+    q = report.get("quantize")
+    if not q:
+        return None
+    t = q["totals"]
+    labels = ["source (fp32)", "bf16", f"{q['recipe']['name']}"]
+    values = [t["linear_source_bytes"] / 2**20, t["linear_bf16_bytes"] / 2**20, t["linear_quantized_bytes"] / 2**20]
+    fig = Figure(figsize=(6.5, 2.6))
+    ax = fig.subplots()
+    bars = ax.barh(labels, values, color=["tab:gray", "tab:blue", "tab:green"])
+    ax.bar_label(bars, fmt="%.1f MiB", fontsize=8)
+    ax.set_xlabel("Linear-layer weight bytes (MiB)")
+    ax.set_title("Memory: weights of the quantized layers")
+    return _png(fig)
+
+
+def plot_roofline(report: dict[str, Any]) -> str | None:
+    if not report.get("diagnose"):
+        return None
+    d = DiagnoseResult.from_json(report["diagnose"])
+    fig = Figure(figsize=(6.5, 3.4))
+    ax = fig.subplots()
+    batches = [r.batch for r in d.decode]
+    ax.plot(batches, [r.tokens_per_s for r in d.decode], marker="o", label="decode achieved")
+    ax.plot(batches, [d.roofline[b].decode_attainable_tok_s for b in batches], linestyle="--",
+            label="decode roofline (bandwidth / compute)")
+    ax.axhline(d.prefill_attainable_tok_s, color="tab:red", linestyle=":", label="prefill compute roofline")
+    for p in d.prefill:
+        ax.plot([1], [p.tokens_per_s], marker="s", color="tab:red")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("decode batch size (prefill points at x=1)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"Roofline on this machine: bottleneck = {d.bottleneck}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    return _png(fig)
+
+
+def kld_values(folder: Path) -> dict[str, list[float]]:
+    """Per-token KLD values from the eval records (for the distribution plot)."""
+    path = folder / "eval.json"
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    out = {}
+    for task, entry in data.get("tasks", {}).items():
+        vals = [x for r in entry.get("records", {}).values() for x in (r.get("token_record") or {}).get("kld", [])]
+        if vals:
+            out[task] = vals
+    return out
+
+
+def _method_cell(gate: dict[str, Any]) -> str:
+    """The interval's method and its simulated coverage at the sample size used (evals/stats/ci_coverage_table.py)."""
+    if not gate.get("ci_method"):
+        return ""
+    cov = gate.get("ci_coverage")
+    return f" ({gate['ci_method']}{'' if cov is None else f', simulated coverage {cov:.1%}'})"
+
+
+# ---- text ----------------------------------------------------------------------------------------------------
+def markdown(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    lines = [f"# Release sign-off: {report['verdict']}", "",
+             f"Model `{cfg['model']}` with recipe `{cfg['recipe']}` under policy `{report['policy']['name']}` "
+             f"({report['created']}).", ""]
+    if report["reasons"]:
+        why = {"FAIL": "Why it fails", "INCONCLUSIVE": "Why it is inconclusive"}.get(report["verdict"], "Why")
+        lines += [f"## {why}", ""] + [f"- {r}" for r in report["reasons"]] + [""]
+    lines += ["## Gates", "", "| gate | result | point | judged (CI bound) | detail | could detect |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {g['name']} | {_verdict(g)} | {_fmt(g['point'])} | {_fmt(g['judged'])} | {_cell(g['detail'])} | "
+              f"{_cell(g.get('resolution', ''))}{_method_cell(g)} |"
+              for g in report["gates"]]
+    if report.get("reading"):
+        lines += ["", "## How to read this verdict", ""] + [f"- {n}" for n in report["reading"]]
+    lines += ["", "## Steps", "", "| step | status | seconds | note |", "|---|---|---|---|"]
+    for name, s in report["steps"].items():
+        note = s.get("error", "reused" if s.get("skipped") else "")
+        lines.append(f"| {name} | {s.get('status')} | {_fmt(s.get('seconds'))} | {_cell(note)} |")
+    lines += deployment_lines(report)  # endpoints, their bench tiers, what they cannot give (deployment sign-off)
+    ab = report.get("ablation")
+    if ab:
+        lines += ["", "## Ablation: output tok/s per layer (marginal gain over the layer above)", ""]
+        for tier in ab["tiers"]:
+            alone = ", ".join(f"{k} {v:.2f}x" for k, v in tier["alone_speedup"].items()) or "-"
+            lines.append(f"**concurrency {tier['concurrency']}** — stacked {_fmt(tier['total_speedup'], 3)}x; "
+                         f"each layer alone over the baseline: {alone}; stacking efficiency "
+                         f"{_fmt(tier.get('stacking_efficiency'), 3)} (1 = the layers compound, < 1 = they overlap)")
+            lines += ["", "| layer | tok/s | marginal |", "|---|---|---|"]
+            lines += [f"| {s['label']} | {s['output_tok_per_s']:.1f} | {_fmt(s['marginal_gain'], 3)} |"
+                      for s in tier["steps"]]
+            lines.append("")
+            for key, what in (("total_speedup", "full stack"), ("quantization_speedup", "quantization alone")):
+                r = RoundsRatio.from_json(tier.get(f"{key}_rounds"))
+                if r is not None:
+                    b = r.ci.bounds
+                    ci = f"95% CI [{_fmt(b[0], 3)}, {_fmt(b[1], 3)}]" if b is not None else "no CI"
+                    per = ", ".join(f"{v:.3f}" for v in r.per_round)
+                    lines += [f"Repeated rounds, {what} over the baseline: {_fmt(r.ratio, 3)}x, {ci} over "
+                              f"{r.rounds} rounds of fresh requests (per round: {per}).", ""]
+    if report.get("eval"):
+        lines += ["## Quality per task (candidate vs baseline, paired 95% CI)", ""]
+        for task, e in report["eval"].items():
+            s = TaskSummary.from_json(e.get("summary"))
+            lines.append(f"**{task}** ({e.get('items')} items)")
+            lines += ["", "| metric | candidate | baseline | delta | 95% CI |", "|---|---|---|---|---|"]
+            for k, d in s.deltas().items():
+                lo, hi = d.ci.bounds or (None, None)
+                lines.append(f"| {k} | {_fmt(d.candidate)} | {_fmt(d.baseline)} | {_fmt(d.delta)} | "
+                             f"[{_fmt(lo)}, {_fmt(hi)}] |")
+            ts = s.text_stats
+            for k in ("kld", "ppl_ratio", "same_top1", "delta_p"):
+                t = None if ts is None else ts.figure(k)
+                if t is not None:
+                    lo, hi = t.ci.bounds or (None, None)
+                    lines.append(f"| {k} | {_fmt(t.mean)} ± {_fmt(t.se, 2)} | | | [{_fmt(lo)}, {_fmt(hi)}] |")
+            lines.append("")
+    lines += custom_regression_lines(report.get("eval") or {})
+    q = report.get("quantize")
+    if q:
+        t = q["totals"]
+        lines += ["## Memory", "", f"Linear weights: {t['linear_quantized_bytes'] / 2**20:.1f} MiB quantized vs "
+                  f"{t['linear_bf16_bytes'] / 2**20:.1f} MiB in bf16 ({t['linear_ratio_vs_bf16']}x); checkpoint "
+                  f"{t['checkpoint_bytes'] / 2**20:.1f} MiB (source {t['source_checkpoint_bytes'] / 2**20:.1f} MiB).", ""]
+    if report.get("diagnose"):
+        d = DiagnoseResult.from_json(report["diagnose"])
+        lines += ["## Bottleneck", "", f"**{d.bottleneck}** — bandwidth "
+                  f"{d.machine_ceilings.memory_bandwidth_gb_s} GB/s, fp32 GEMM "
+                  f"{d.machine_ceilings.fp32_gemm_gflop_s} GFLOP/s.", ""]
+        lines += [f"{i}. {lever}" for i, lever in enumerate(d.levers, 1)] + [""]
+    lines += ["## Provenance", "", "```json", json.dumps({k: report[k] for k in ("inputs", "versions", "machine")},
+                                                        indent=2), "```", ""]
+    return "\n".join(lines)
+
+
+def custom_regression_lines(evals: dict[str, Any]) -> list[str]:
+    """Per workload file (custom:NAME): the items whose answers changed most, so a reader sees which prompts."""
+    def cell(text: Any) -> str:
+        return " ".join(str(text).split()).replace("|", "¦")[:80] or "-"
+
+    lines: list[str] = []
+    for task, e in evals.items():
+        worst = TaskSummary.from_json(e.get("summary")).get("worst_items")
+        if not task.startswith("custom:") or worst is None:
+            continue
+        lines += [f"## Worst regressions: {task}", "",
+                  f"Items whose greedy answer changed, worst first (a lost test pass, then the ROUGE-L drop, then "
+                  f"the mean KLD on the baseline's answer); {len(worst)} shown.", ""]
+        if not worst:
+            lines += ["No item's answer changed.", ""]
+            continue
+        lines += ["| line | id | kind | prompt | tests (cand/base) | ROUGE-L drop | mean KLD | NLL delta | "
+                  "tokens (cand/base) | candidate answer | baseline answer |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for x in worst:
+            p = x.get("passed")
+            passed = "-" if p is None else "/".join("pass" if p[k] else "fail" for k in ("candidate", "baseline"))
+            lines.append(f"| {x['line']} | {cell(x['id'])} | {x['kind']} | {cell(x['prompt'])} | {passed} | "
+                         f"{_fmt(x['rougeL_drop'])} | {_fmt(x['kld_mean'])} | {_fmt(x['nll_delta'])} | "
+                         f"{x['tokens']['candidate']}/{x['tokens']['baseline']} | {cell(x['candidate'])} | "
+                         f"{cell(x['baseline'])} |")
+        lines.append("")
+    return lines
+
+
+_MD = MarkdownIt("commonmark", {"html": False}).enable("table")
+
+_TEMPLATE = jinja2.Environment(autoescape=True).from_string("""<!doctype html>
+<html><head><meta charset="utf-8"><title>Sign-off {{ verdict }}</title>
+<style>
+body { font-family: system-ui, sans-serif; max-width: 980px; margin: 2em auto; color: #1f2328; }
+h1 { color: {{ color }}; } table { border-collapse: collapse; margin: 0.5em 0; }
+td, th { border: 1px solid #d0d7de; padding: 3px 8px; font-size: 13px; } th { background: #f6f8fa; }
+pre { background: #f6f8fa; padding: 8px; font-size: 12px; overflow-x: auto; }
+figure { display: inline-block; margin: 6px; }
+.verdict { display: inline-block; color: white; font-weight: bold; padding: 4px 14px; border-radius: 4px; }
+</style></head><body>
+<div class="verdict" id="verdict" style="background:{{ color }}">{{ verdict }}</div>
+{{ head }}
+<section id="plots">{% for name, data in plots %}<figure><img alt="{{ name }}" id="plot-{{ name }}"
+src="data:image/png;base64,{{ data }}"/></figure>{% endfor %}</section>
+{{ rest }}
+</body></html>
+""")
+
+
+def _md_to_html(md: str) -> str:
+    """report.md as HTML: markdown-it escapes every `<`, `&` and `|` in the text; raw HTML is not passed through."""
+    return _MD.render(md)
+
+
+def html_report(report: dict[str, Any], md: str, plots: dict[str, str | None]) -> str:
+    body = _md_to_html(md)
+    head, _, rest = body.partition("</h1>")  # the plots sit under the verdict heading
+    return _TEMPLATE.render(verdict=report["verdict"], color=_COLORS.get(report["verdict"], "#cf222e"),
+                            head=Markup(head + "</h1>" if rest else head),
+                            rest=Markup(rest),
+                            plots=[(name, data) for name, data in plots.items() if data])
+
+
+def write_reports(folder: Path, report: dict[str, Any]) -> None:
+    plots = {"throughput": plot_throughput(report), "quality": plot_quality(report),
+             "kld": plot_kld(kld_values(folder)), "memory": plot_memory(report), "roofline": plot_roofline(report)}
+    report["plots"] = sorted(k for k, v in plots.items() if v)
+    md = markdown(report)
+    write_json(folder / "report.json", report)
+    write_text(folder / "report.md", md)
+    write_text(folder / "report.html", html_report(report, md, plots))

@@ -1,0 +1,219 @@
+"""`qtool signoff`: model + recipe -> quantize, eval, bench (layer-by-layer ablation), diagnose -> verdict + report.
+
+Each step writes its own JSON in the output folder and records the hash of its inputs in `steps.json`; a rerun
+skips a step whose output exists with the same input hash. A failing step does not stop the report: it is marked,
+and the verdict can then only be FAIL.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..bench.ablation import BASE_SYSTEMS, ablation_table, bench_ablation
+from ..diagnose.run import diagnose
+from ..draft.format import check_fits, read_head_config
+from ..engine.config import EngineConfig
+from ..errors import QToolError
+from ..evals.custom import custom_tasks
+from ..evals.runner import EvalConfig, evaluate
+from ..evals.sandbox.run import require
+from ..io import write_json
+from ..model.llama import ModelConfig
+from ..model.sources import ModelSource, resolve_model
+from ..provenance import provenance
+from ..quantize.recipe import Recipe, load_recipe
+from ..quantize.run import quantize
+from . import gates as verdicts
+from . import workload as custom_signoff
+from .deployment import signoff_deployments
+from .judge import Gate, evaluate_gates, undecided_and_failed
+from .policy import Policy, load_policy
+from .report import write_reports
+from .sequential import describe, draw_until_decisive
+from .steps import STEPS, SignoffConfig, StepRunner
+
+__all__ = ["Gate", "SignoffConfig", "evaluate_gates", "signoff"]
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _check(cfg: SignoffConfig) -> Policy:
+    """Bad input is an error (exit 2) before any work; the policy it names, loaded."""
+    if cfg.limit <= 0:
+        raise QToolError(f"--limit must be a positive number of items, got {cfg.limit}")
+    if cfg.rounds <= 0:
+        raise QToolError(f"--rounds must be a positive number of bench rounds, got {cfg.rounds}")
+    if cfg.max_items is not None and cfg.max_items < cfg.limit:
+        raise QToolError(f"--max-items ({cfg.max_items}) must be at least --limit ({cfg.limit})")
+    policy = load_policy(cfg.policy)
+    custom_signoff.check_policy(policy, cfg.data)
+    if ("code" in policy.tasks or not policy.tasks) and not cfg.rejudge:
+        require(cfg.allow_weak_sandbox)  # fail closed before any work: model-written code needs the sandbox
+    return policy
+
+
+def _check_speculative(speculative: str | None, source: ModelSource) -> None:
+    """A bad --speculative (or an EAGLE-3 head that does not fit the model) fails here, before any work, not at
+    the bench step after quantization and evals."""
+    spec = EngineConfig(speculative=speculative).speculative
+    if spec is not None and spec.startswith("eagle3:"):
+        folder = Path(spec.partition(":")[2])
+        check_fits(folder, read_head_config(folder), ModelConfig.from_hf(source.config))
+
+
+def signoff(cfg: SignoffConfig) -> dict[str, Any]:
+    """Run every step (or reuse it), decide, and write report.{json,md,html} into cfg.output."""
+    if cfg.candidate_endpoint or cfg.baseline_endpoint:
+        return signoff_deployments(cfg)
+    policy = _check(cfg)
+    out = Path(cfg.output)
+    if cfg.rejudge:
+        return _rejudge(cfg, policy, out)
+    recipe = load_recipe(cfg.recipe)
+    source = resolve_model(cfg.model)
+    _check_speculative(cfg.speculative, source)
+    out.mkdir(parents=True, exist_ok=True)
+    run = _Run(cfg, policy, recipe, source, out, StepRunner(out))
+    try:
+        run.steps()
+        return _decide(cfg, policy, {"name": recipe.name, "sha256": recipe.sha256}, source.describe(), out,
+                       run.results, run.quant)
+    finally:
+        run.runner.lock.release()  # the folder is free again for the next run in this process
+
+
+@dataclass
+class _Run:
+    """One sign-off's steps, in order: each runs (or is reused) through the StepRunner."""
+
+    cfg: SignoffConfig
+    policy: Policy
+    recipe: Recipe
+    source: ModelSource
+    out: Path
+    runner: StepRunner
+    results: dict[str, dict[str, Any]] | None = None
+    quant: dict[str, Any] | None = None
+    tasks: str = ""
+    data: list[dict[str, str]] | None = None  # the workload files' hashes, in the steps' reuse keys
+
+    def steps(self) -> None:
+        cfg, out, source = self.cfg, self.out, self.source
+        self.results = {}
+        self.tasks = custom_signoff.eval_tasks(self.policy, cfg.data)
+        self.data = custom_signoff.data_inputs(cfg.data)
+        ckpt = out / "checkpoint"
+        recipe = self.recipe
+        self.results["quantize"] = self.runner.run(
+            "quantize", {"model": source.sha256, "recipe": recipe.sha256}, ckpt / "quantize_report.json",
+            lambda: quantize(source.path, cfg.recipe, ckpt, overwrite=True))
+        self.quant = _load(ckpt / "quantize_report.json") if self.results["quantize"]["status"] == "ok" else None
+        if self.quant:
+            # the candidate is identified by what made it: the source weights and the recipe
+            cand_key = f"{source.sha256}:{self.quant['recipe']['sha256']}"
+            self.eval_step(cand_key)
+            self.bench_step(cand_key)
+        else:
+            for name in ("eval", "bench"):
+                self.results[name] = {"status": "error", "error": "skipped: no quantized checkpoint"}
+        self.results["diagnose"] = self.runner.run(
+            "diagnose", {"model": source.sha256, "batches": cfg.diagnose_batches}, out / "diagnose.json",
+            lambda: write_json(out / "diagnose.json", diagnose(str(source.path), batches=cfg.diagnose_batches,
+                                                               prompt_lengths=(64, 512)).to_json()))
+
+    def eval_step(self, cand_key: str) -> None:
+        cfg, policy, out, tasks, data = self.cfg, self.policy, self.out, self.tasks, self.data
+        inputs = {"candidate": cand_key, "baseline": self.source.sha256, "tasks": tasks, "limit": cfg.limit,
+                  "endpoint": cfg.endpoint, "seed": cfg.seed, **({"data": data} if data else {})}
+        if cfg.max_items and cfg.max_items > cfg.limit:  # how many items get drawn depends on the quality bounds
+            inputs |= {"max_items": cfg.max_items, "quality_bounds": policy.model_dump()["tasks"]}
+
+        def run(items: int, overwrite: bool, only: list[str] | None) -> None:
+            # eval.json is written per batch: a rerun with the same inputs resumes its finished items, and a
+            # further look reuses the items of the looks before it
+            evaluate(EvalConfig(model=str(out / "checkpoint"), baseline=str(self.source.path),
+                                tasks=",".join(only) if only else tasks, output=str(out / "eval.json"),
+                                limit=items, endpoint=cfg.endpoint, seed=cfg.seed, overwrite=overwrite,
+                                task_options={"allow_weak_sandbox": cfg.allow_weak_sandbox,
+                                              "custom_data": custom_tasks(cfg.data)}))
+
+        def judge() -> tuple[list[str], list[str]]:
+            evals = _load(out / "eval.json")
+            return undecided_and_failed(custom_signoff.gate_policy(policy, evals, cfg.data), evals)
+
+        resume = self.runner.interrupted("eval", inputs)
+
+        def do_eval() -> None:
+            looks = draw_until_decisive(run, judge, cfg.limit, cfg.max_items, resume=resume)
+            write_json(out / "sequential.json", describe(looks, cfg.max_items))
+
+        self.results["eval"] = self.runner.run("eval", inputs, out / "eval.json", do_eval)
+
+    def bench_step(self, cand_key: str) -> None:
+        cfg, policy, out, data = self.cfg, self.policy, self.out, self.data
+        quantization_gate = policy.throughput.min_quantization_speedup is not None
+
+        def do_bench() -> None:
+            repeat = ["baseline_static", "full_stack"] + (["candidate_static"] if quantization_gate else [])
+            write_json(out / "bench.json", bench_ablation(
+                self.source.path, out / "checkpoint", EngineConfig(speculative=cfg.speculative),
+                concurrency=cfg.concurrency, num_requests=cfg.num_requests,
+                mean_output_tokens=cfg.mean_output_tokens, seed=cfg.seed,
+                rounds=cfg.rounds, repeat=tuple(repeat),
+                workload=custom_signoff.bench_workload(cfg.data, out / "eval.json")))
+
+        inputs = {"candidate": cand_key, "baseline": self.source.sha256, "systems": [s.label for s in BASE_SYSTEMS],
+                  "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
+                  "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed, "speculative": cfg.speculative,
+                  "rounds": cfg.rounds, "quantization_gate": quantization_gate, **({"data": data} if data else {})}
+        self.results["bench"] = self.runner.run("bench", inputs, out / "bench.json", do_bench)
+
+
+def _rejudge(cfg: SignoffConfig, policy: Policy, out: Path) -> dict[str, Any]:
+    """Decide again from the step outputs already in `out` (e.g. under another policy); runs nothing."""
+    if not (out / "steps.json").is_file():
+        raise QToolError(f"{out} holds no sign-off steps (steps.json) to judge again: run `qtool signoff` first")
+    runner = StepRunner(out)
+    state = runner.state
+    runner.lock.release()  # judging again writes only the reports
+    results = {n: state.get(n) or {"status": "error", "error": "never ran"} for n in STEPS}
+    quant = _load(out / "checkpoint" / "quantize_report.json") if results["quantize"]["status"] == "ok" else None
+    recipe = (quant or {}).get("recipe") or {"name": cfg.recipe, "sha256": None}
+    return _decide(cfg, policy, recipe, {"spec": cfg.model}, out, results, quant)
+
+
+def _decide(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: dict[str, Any], out: Path,
+            results: dict[str, dict[str, Any]], quant: dict[str, Any] | None) -> dict[str, Any]:
+    evals = _load(out / "eval.json") if results.get("eval", {}).get("status") == "ok" else None
+    bench = _load(out / "bench.json") if results.get("bench", {}).get("status") == "ok" else None
+    ablation = ablation_table(bench) if bench else None
+    gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, ablation, quant)
+    failed_steps = [n for n in STEPS if results.get(n, {}).get("status") != "ok"]
+    verdict = verdicts.ERROR if failed_steps else verdicts.overall([(g.verdict, g.required) for g in gates])
+    reasons = [f"step {n} failed: {results[n].get('error')}" for n in failed_steps]
+    reasons += [f"gate {g.name} {g.verdict.lower()}: {g.detail}" for g in gates
+                if g.verdict == verdicts.FAIL or (g.verdict != verdicts.PASS and g.required)]
+    report = {
+        **provenance(model=model, recipe=recipe,
+                     policy={"name": policy.name, "path": policy.source}),
+        "verdict": verdict,
+        "reasons": reasons,
+        "reading": verdicts.reading(gates, evals, _load(out / "sequential.json") if evals else None),
+        "config": asdict(cfg),
+        "policy": policy.model_dump(),
+        "gates": [asdict(g) for g in gates],
+        "steps": {n: {k: v for k, v in results.get(n, {}).items() if k != "key"} for n in STEPS},
+        "quantize": {k: quant[k] for k in ("recipe", "totals", "timings", "smoke_test")} if quant else None,
+        "eval": {t: {"items": e.get("items"), "summary": e.get("summary")}
+                 for t, e in (evals or {}).get("tasks", {}).items()} or None,
+        "eval_models": (evals or {}).get("models"),
+        "ablation": ablation,
+        "diagnose": _load(out / "diagnose.json") if results["diagnose"]["status"] == "ok" else None,
+    }
+    write_reports(out, report)
+    return report

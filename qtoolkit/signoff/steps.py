@@ -1,0 +1,99 @@
+"""What a sign-off is asked (SignoffConfig) and how its steps run once per input hash (StepRunner, steps.json)."""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import OutputWriteError, QToolError
+from ..io import lock_output, read_results_json, write_json
+from ..progress import status
+from ..provenance import text_sha256
+
+STEPS = ("quantize", "eval", "bench", "diagnose")
+
+
+@dataclass
+class SignoffConfig:
+    model: str = "default"
+    recipe: str = "fp8-dynamic"
+    output: str = "runs/signoff"
+    policy: str = "default"
+    limit: int = 8
+    endpoint: str | None = None  # evaluate the candidate through a served endpoint instead of the engine
+    concurrency: list[int] = field(default_factory=lambda: [1, 8])
+    num_requests: int | None = None
+    mean_output_tokens: int = 48
+    speculative: str | None = None  # e.g. "ngram": adds the speculative-decoding layer to the ablation
+    diagnose_batches: tuple[int, ...] = (1, 8)
+    seed: int = 0
+    rounds: int = 5  # of the throughput gates' systems at the top tier: the gates judge their spread
+    max_items: int | None = None  # budget of items per task when a quality gate is inconclusive (qtoolkit/signoff/sequential.py)
+    allow_weak_sandbox: bool = False  # run model-written code even where bubblewrap cannot
+    rejudge: bool = False  # decide again from the step outputs in `output`, running nothing
+    # a deployment sign-off (qtoolkit.signoff.deployment): both sides measured through endpoints; `model` and
+    # `baseline` then name the local checkpoints (tokenizers, memory figures)
+    candidate_endpoint: str | None = None
+    baseline_endpoint: str | None = None
+    baseline: str | None = None
+    candidate_model_id: str | None = None
+    baseline_model_id: str | None = None
+    data: list[str] = field(default_factory=list)  # workload files: custom:STEM tasks and the bench's traffic
+
+
+
+class StepRunner:
+    """Runs steps once per input hash; remembers outcomes in steps.json."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.path = folder / "steps.json"
+        self.lock = lock_output(self.path)  # one sign-off at a time per folder: a second fails at once
+        self.state: dict[str, Any] = read_results_json(self.path) if self.path.is_file() else {}
+
+    @staticmethod
+    def key(inputs: dict[str, Any]) -> str:
+        return text_sha256(json.dumps(inputs, sort_keys=True, default=str))
+
+    def interrupted(self, name: str, inputs: dict[str, Any]) -> bool:
+        """True when an earlier run of this step, with the same inputs, stopped midway (its partial output can
+        be resumed rather than discarded)."""
+        prev = self.state.get(name) or {}
+        return prev.get("key") == self.key(inputs) and prev.get("status") != "ok"
+
+    def run(self, name: str, inputs: dict[str, Any], output: Path, fn: Callable[[], None]) -> dict[str, Any]:
+        """Run `fn` unless an earlier run with the same inputs finished it. "ok" is recorded only after `fn` has
+        returned, i.e. after its output was written in full (atomically), so a step killed at any point is
+        never taken as finished."""
+        key = self.key(inputs)
+        prev = self.state.get(name)
+        if prev and prev.get("key") == key and prev.get("status") == "ok" and output.exists():
+            status(f"{name}: up to date ({output.name}), skipped")
+            return {**prev, "skipped": True}
+        status(f"{name}: running")
+        self.state[name] = {"key": key, "status": "running"}
+        write_json(self.path, self.state)
+        t = time.perf_counter()
+        try:
+            fn()
+            entry = {"key": key, "status": "ok", "output": output.name}
+        except OutputWriteError:
+            # no room for outputs: every later step would fail the same way. The step stays "running" in
+            # steps.json (never ok), so the rerun after space is freed resumes it
+            raise
+        except QToolError as e:
+            entry = {"key": key, "status": "error", "error": str(e)}
+        except Exception as e:  # a bug or a library failure: keep the report, mark the step
+            entry = {"key": key, "status": "error", "error": f"{type(e).__name__}: {e}",
+                     "traceback": traceback.format_exc(limit=8)}
+        entry["seconds"] = round(time.perf_counter() - t, 1)
+        self.state[name] = entry
+        write_json(self.path, self.state)
+        if entry["status"] != "ok":
+            status(f"{name}: FAILED: {entry['error']}")
+        return entry
