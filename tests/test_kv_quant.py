@@ -253,11 +253,13 @@ def test_long_workload_has_distinct_2k_token_documents():
 
 
 @pytest.mark.slow
-def test_fp8_kv_recipe_checkpoint_serves_with_its_calibrated_scales(tiny_model_dir, tmp_path):
-    """qtool quantize with fp8-dynamic-kv8 writes kv_cache_scheme into the config and self_attn.k_scale / v_scale
-    into the weights (where vLLM reads them); the engine's fp8 cache then stores every slot with those scales."""
-    out = tmp_path / "fp8kv"
-    assert main(["quantize", "--model", str(tiny_model_dir), "--recipe", "fp8-dynamic-kv8", "--output", str(out),
+@pytest.mark.parametrize("recipe", ["fp8-dynamic-kv8", "int4-gptq-kv8"])
+def test_fp8_kv_recipe_checkpoint_serves_with_its_calibrated_scales(recipe, tiny_model_dir, tmp_path):
+    """qtool quantize with a shipped KV recipe writes kv_cache_scheme into the config and self_attn.k_scale /
+    v_scale into the weights (where vLLM reads them); the engine's fp8 cache then stores every slot with those
+    scales."""
+    out = tmp_path / recipe
+    assert main(["quantize", "--model", str(tiny_model_dir), "--recipe", recipe, "--output", str(out),
                  "--no-verify", "--num-samples", "4"]) == 0
     scheme = json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
     assert (scheme["num_bits"], scheme["type"], scheme["strategy"], scheme["dynamic"]) == (8, "float", "tensor", False)
