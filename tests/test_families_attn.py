@@ -20,7 +20,7 @@ import torch
 
 from qtoolkit.engine import Engine, SamplingParams
 from qtoolkit.errors import ModelSourceError
-from qtoolkit.model.llama import ModelConfig
+from qtoolkit.model.llama import SUPPORTED_MODEL_TYPES, ModelConfig
 
 SHORT = "The quick brown fox"
 LONG = ("def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n\nclass Stack:\n"
@@ -30,6 +30,7 @@ WINDOWED = ("mistral", "gemma3_text", "qwen2")
 FAMILIES = (*WINDOWED, "llama3")
 NEW = ("mistral", "gemma3_text")
 BLOCK_SIZE = 4
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def _config(family: str, vocab: int, tok, **extra):
@@ -289,3 +290,10 @@ def test_blocks_behind_every_window_are_freed_as_a_sequence_advances(built):
         most = max(most, engine.stats().kv_blocks_used)
     assert most <= 16 // BLOCK_SIZE + 2 < (44 + 40) // BLOCK_SIZE
     assert engine.stats().kv_blocks_used == 0
+
+
+def test_readme_lists_exactly_the_families_the_engine_runs():
+    """The README's supported-families table names each `model_type` the engine accepts, and no other."""
+    section = README.read_text().split("## Supported model families", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\|[^|]+\| `([a-z0-9_]+)` \|", section, flags=re.M)[1:]  # [0]: the header
+    assert sorted(listed) == sorted(SUPPORTED_MODEL_TYPES)

@@ -337,3 +337,25 @@ def test_int8_and_fp8_experts_match_fake_quant(wide_moe, recipe, kind, tmp_path,
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0].log_softmax(-1)
     torch.testing.assert_close(engine.score([ids])[0], want, atol=2e-4, rtol=1e-4)
+
+
+
+@pytest.mark.slow  # a server subprocess and the diagnose sweeps: tens of seconds
+def test_diagnose_and_bench_serve_run_on_a_moe_family(tmp_path, tokenizer_dir):
+    """The sign-off's bench and diagnose steps on Qwen3-MoE (its quantize and eval steps run the engine paths the
+    tests above hold to transformers): `qtool diagnose` counts the experts' bytes and sweeps, `qtool bench serve`
+    serves every request."""
+    folder = build_family(tmp_path / "qwen3_moe", tokenizer_dir, "qwen3_moe")
+    diag, bench = tmp_path / "diagnose.json", tmp_path / "bench.json"
+    assert main(["diagnose", "--model", str(folder), "--batches", "1,2", "--prompt-lengths", "16",
+                 "--kv-cache-memory", "16MiB", "--output", str(diag)]) == 0
+    d = json.loads(diag.read_text())
+    weights = _tensors(folder)  # every matrix but the embedding and the head: attention, dense MLP, routers, experts
+    want = sum(t.numel() * t.element_size() for k, t in weights.items()
+               if t.dim() >= 2 and "embed_tokens" not in k and "lm_head" not in k)
+    assert d["model"]["linear_bytes"] == want and all(r["tokens_per_s"] > 0 for r in d["decode"])
+    assert main(["bench", "serve", "--model", str(folder), "--concurrency", "1,2", "--num-requests", "2",
+                 "--mean-output-tokens", "4", "--max-output-tokens", "8", "--kv-cache-memory", "16MiB",
+                 "--output", str(bench)]) == 0
+    tiers = json.loads(bench.read_text())["tiers"]
+    assert [t["results"]["continuous"]["completed"] for t in tiers] == [2, 2]
