@@ -19,16 +19,21 @@ from markupsafe import Markup
 from matplotlib.figure import Figure
 
 from ..diagnose.result import DiagnoseResult
+from ..evals.results import EvalResults
 from ..evals.summary import RoundsRatio, TaskSummary
 from ..io import write_json, write_text
+from .judge import Gate
+from .policy import Policy
 from .report_deployment import deployment_lines
+from .verdict import SignoffReport
 
 _STATUS = {True: "PASS", False: "FAIL"}
 _COLORS = {"PASS": "#1a7f37", "FAIL": "#cf222e", "INCONCLUSIVE": "#9a6700"}
 
 
 def _verdict(g: dict[str, Any]) -> str:
-    """A gate's verdict as shown: PASS / FAIL / INCONCLUSIVE / no evidence (older reports: passed only)."""
+    """A gate's verdict as shown: PASS / FAIL / INCONCLUSIVE / no evidence (from `passed` in a report that has
+    no verdicts)."""
     v = g.get("verdict") or _STATUS[g["passed"]]
     if g.get("state"):  # e.g. "not measurable" on a deployment sign-off
         return f"{v} ({g['state']})"
@@ -78,25 +83,22 @@ def plot_throughput(report: dict[str, Any]) -> str | None:
     return _png(fig)
 
 
-def plot_quality(report: dict[str, Any]) -> str | None:
-    gates = [g for g in report["gates"] if g["name"].split(".")[0] in ("code", "summarization")]
+def plot_quality(gates: list[Gate], policy: Policy) -> str | None:
+    gates = [g for g in gates if g.task in ("code", "summarization")]
     if not gates:
         return None
     fig = Figure(figsize=(6.5, 0.75 * len(gates) + 0.6))
     axes = fig.subplots(len(gates), 1, squeeze=False)
-    bounds = report["policy"]["tasks"]
     for ax, g in zip(axes[:, 0], gates, strict=True):
-        task, metric = g["name"].split(".", 1)
-        bound = bounds[task][metric]
-        limit = bound.get("max") if bound.get("max") is not None else bound.get("min")
-        color = {"PASS": "tab:green", "FAIL": "tab:red"}.get(g.get("verdict") or _STATUS[g["passed"]], "tab:orange")
-        if g["point"] is not None:
-            lo, hi = sorted((g["point"], g["judged"]))
-            ax.errorbar([g["point"]], [0], xerr=[[g["point"] - lo], [hi - g["point"]]], fmt="o", color=color,
-                        capsize=4)
-            ax.plot([g["judged"]], [0], marker="|", markersize=14, color=color)
+        bound = policy.tasks[g.task][g.metric]
+        limit = bound.max if bound.max is not None else bound.min
+        color = {"PASS": "tab:green", "FAIL": "tab:red"}.get(g.verdict or _STATUS[g.passed], "tab:orange")
+        if g.point is not None:
+            lo, hi = sorted((g.point, g.judged))
+            ax.errorbar([g.point], [0], xerr=[[g.point - lo], [hi - g.point]], fmt="o", color=color, capsize=4)
+            ax.plot([g.judged], [0], marker="|", markersize=14, color=color)
         ax.axvline(limit, color="black", linestyle="--", linewidth=1)
-        ax.set_yticks([0], [g["name"]])
+        ax.set_yticks([0], [g.name])
         ax.grid(axis="x", alpha=0.3)
     axes[0, 0].set_title("Quality: point estimate to the judged CI bound, dashed = policy limit")
     fig.tight_layout()
@@ -159,14 +161,13 @@ def plot_roofline(report: dict[str, Any]) -> str | None:
 
 
 def kld_values(folder: Path) -> dict[str, list[float]]:
-    """Per-token KLD values from the eval records (for the distribution plot)."""
+    """Per-token KLD values from the eval records (for the distribution plot), every text set of a task together."""
     path = folder / "eval.json"
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text())
     out = {}
-    for task, entry in data.get("tasks", {}).items():
-        vals = [x for r in entry.get("records", {}).values() for x in (r.get("token_record") or {}).get("kld", [])]
+    for task, result in EvalResults.load(path).tasks.items():
+        vals = [x for values in result.token_klds().values() for x in values]
         if vals:
             out[task] = vals
     return out
@@ -320,11 +321,14 @@ def html_report(report: dict[str, Any], md: str, plots: dict[str, str | None]) -
                             plots=[(name, data) for name, data in plots.items() if data])
 
 
-def write_reports(folder: Path, report: dict[str, Any]) -> None:
-    plots = {"throughput": plot_throughput(report), "quality": plot_quality(report),
+def write_reports(folder: Path, signoff: SignoffReport) -> dict[str, Any]:
+    """Write report.json, report.md and report.html; returns what report.json holds."""
+    report = signoff.to_json()
+    plots = {"throughput": plot_throughput(report), "quality": plot_quality(signoff.gates, signoff.policy),
              "kld": plot_kld(kld_values(folder)), "memory": plot_memory(report), "roofline": plot_roofline(report)}
     report["plots"] = sorted(k for k, v in plots.items() if v)
     md = markdown(report)
     write_json(folder / "report.json", report)
     write_text(folder / "report.md", md)
     write_text(folder / "report.html", html_report(report, md, plots))
+    return report
