@@ -61,7 +61,8 @@ class Interval:
 
 
 def _emit(full: dict[str, Any], keys: tuple[str, ...] | None) -> dict[str, Any]:
-    """The JSON of a figure: every key it was read with, in that order (older files carry fewer CI keys)."""
+    """The JSON of a figure: every key it was read with, in that order (a node without the coverage keys is
+    written back without them, so a file reads and writes byte for byte)."""
     return full if keys is None else {k: full[k] for k in keys}
 
 

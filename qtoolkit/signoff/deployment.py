@@ -37,7 +37,7 @@ from .verdict import DeploymentSection, Evidence, NotMeasurable, decide
 STEPS = ("checkpoint", "eval", "bench")
 QUALITY_TASKS = ("code", "summarization")  # built-in tasks whose figures an endpoint may not give
 NOT_MEASURABLE = "not measurable"
-# (key, what, why): measured by qtoolkit only on servers it starts itself, or on this machine
+# (key, what, why): qtoolkit measures these only on servers it starts itself, or on the machine it runs on
 ALWAYS_NOT_MEASURABLE = [
     ("ablation", "layer-by-layer ablation (static -> continuous batching -> speculative decoding -> quantization)",
      "each layer is a server setting qtoolkit switches on its own engine; an endpoint is one fixed configuration"),

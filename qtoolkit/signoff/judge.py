@@ -107,7 +107,7 @@ def evaluate_gates(policy: Policy, evals: EvalResults | None, ablation: dict[str
         j = verdicts.judge_interval(point, lo, hi, max_=None, min_=limit,
                                     n_text=f", {rounds.rounds} rounds" if lo is not None else "")
         if lo is None and point is not None:
-            # a timing on this machine moves by 10-20% between runs: one round bounds none of that noise
+            # throughput on a shared CPU moves by 10-20% between runs: one round bounds none of that noise
             j = verdicts.Judgement(verdicts.INCONCLUSIVE, f"{point:.3g} from one round, no interval to judge "
                                    f"against min {limit:g}: pass --rounds 3 or more", j.resolution)
         j.detail += where + how
