@@ -195,7 +195,7 @@ def test_tests_field_runs_in_the_sandbox_pass_and_fail(tmp_path, tokenizer_dir):
     assert s["pass@1"]["candidate"] == 0.0 and s["pass@1"]["baseline"] == 1.0
     assert s["not_computed"] and "kld" not in s["text_stats"]
     assert {x["id"] for x in s["worst_items"]} == {"add", "rev"} and s["worst_items"][0]["pass_lost"]
-    md = "\n".join(custom_regression_lines({"custom:t": {"summary": s}}))
+    md = "\n".join(custom_regression_lines(EvalResults.from_json({"tasks": {"custom:t": {"summary": s}}})))
     assert "## Worst regressions: custom:t" in md and "fail/pass" in md and "Write reverse(s)." in md
 
 

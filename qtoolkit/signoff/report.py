@@ -31,13 +31,12 @@ _STATUS = {True: "PASS", False: "FAIL"}
 _COLORS = {"PASS": "#1a7f37", "FAIL": "#cf222e", "INCONCLUSIVE": "#9a6700"}
 
 
-def _verdict(g: dict[str, Any]) -> str:
-    """A gate's verdict as shown: PASS / FAIL / INCONCLUSIVE / no evidence (from `passed` in a report that has
-    no verdicts)."""
-    v = g.get("verdict") or _STATUS[g["passed"]]
-    if g.get("state"):  # e.g. "not measurable" on a deployment sign-off
-        return f"{v} ({g['state']})"
-    return "no evidence" + ("" if g.get("required", True) else " (not required)") if v == "NO EVIDENCE" else v
+def _verdict(g: Gate) -> str:
+    """A gate's verdict as shown: PASS / FAIL / INCONCLUSIVE / no evidence."""
+    v = g.verdict or _STATUS[g.passed]
+    if g.state:  # e.g. "not measurable" on a deployment sign-off
+        return f"{v} ({g.state})"
+    return "no evidence" + ("" if g.required else " (not required)") if v == "NO EVIDENCE" else v
 
 
 def _cell(v: Any) -> str:
@@ -173,12 +172,12 @@ def kld_values(folder: Path) -> dict[str, list[float]]:
     return out
 
 
-def _method_cell(gate: dict[str, Any]) -> str:
+def _method_cell(gate: Gate) -> str:
     """The interval's method and its simulated coverage at the sample size used (evals/stats/ci_coverage_table.py)."""
-    if not gate.get("ci_method"):
+    if not gate.ci_method:
         return ""
-    cov = gate.get("ci_coverage")
-    return f" ({gate['ci_method']}{'' if cov is None else f', simulated coverage {cov:.1%}'})"
+    cov = gate.ci_coverage
+    return f" ({gate.ci_method}{'' if cov is None else f', simulated coverage {cov:.1%}'})"
 
 
 # ---- text ----------------------------------------------------------------------------------------------------
@@ -192,9 +191,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"## {why}", ""] + [f"- {r}" for r in report["reasons"]] + [""]
     lines += ["## Gates", "", "| gate | result | point | judged (CI bound) | detail | could detect |",
               "|---|---|---|---|---|---|"]
-    lines += [f"| {g['name']} | {_verdict(g)} | {_fmt(g['point'])} | {_fmt(g['judged'])} | {_cell(g['detail'])} | "
-              f"{_cell(g.get('resolution', ''))}{_method_cell(g)} |"
-              for g in report["gates"]]
+    lines += [f"| {g.name} | {_verdict(g)} | {_fmt(g.point)} | {_fmt(g.judged)} | {_cell(g.detail)} | "
+              f"{_cell(g.resolution)}{_method_cell(g)} |"
+              for g in map(Gate.from_json, report["gates"])]
     if report.get("reading"):
         lines += ["", "## How to read this verdict", ""] + [f"- {n}" for n in report["reading"]]
     lines += ["", "## Steps", "", "| step | status | seconds | note |", "|---|---|---|---|"]
@@ -222,24 +221,9 @@ def markdown(report: dict[str, Any]) -> str:
                     per = ", ".join(f"{v:.3f}" for v in r.per_round)
                     lines += [f"Repeated rounds, {what} over the baseline: {_fmt(r.ratio, 3)}x, {ci} over "
                               f"{r.rounds} rounds of fresh requests (per round: {per}).", ""]
-    if report.get("eval"):
-        lines += ["## Quality per task (candidate vs baseline, paired 95% CI)", ""]
-        for task, e in report["eval"].items():
-            s = TaskSummary.from_json(e.get("summary"))
-            lines.append(f"**{task}** ({e.get('items')} items)")
-            lines += ["", "| metric | candidate | baseline | delta | 95% CI |", "|---|---|---|---|---|"]
-            for k, d in s.deltas().items():
-                lo, hi = d.ci.bounds or (None, None)
-                lines.append(f"| {k} | {_fmt(d.candidate)} | {_fmt(d.baseline)} | {_fmt(d.delta)} | "
-                             f"[{_fmt(lo)}, {_fmt(hi)}] |")
-            ts = s.text_stats
-            for k in ("kld", "ppl_ratio", "same_top1", "delta_p"):
-                t = None if ts is None else ts.figure(k)
-                if t is not None:
-                    lo, hi = t.ci.bounds or (None, None)
-                    lines.append(f"| {k} | {_fmt(t.mean)} ± {_fmt(t.se, 2)} | | | [{_fmt(lo)}, {_fmt(hi)}] |")
-            lines.append("")
-    lines += custom_regression_lines(report.get("eval") or {})
+    # the report's eval section has eval.json's layout per task (items, summary)
+    evals = EvalResults.from_json({"tasks": report.get("eval") or {}})
+    lines += quality_lines(evals) + custom_regression_lines(evals)
     q = report.get("quantize")
     if q:
         t = q["totals"]
@@ -257,14 +241,37 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def custom_regression_lines(evals: dict[str, Any]) -> list[str]:
+def quality_lines(evals: EvalResults) -> list[str]:
+    """Per task: each paired delta and token statistic, candidate against baseline with its 95% interval."""
+    if not evals.tasks:
+        return []
+    lines = ["## Quality per task (candidate vs baseline, paired 95% CI)", ""]
+    for task, result in evals.tasks.items():
+        s = result.summary or TaskSummary.from_json(None)
+        lines.append(f"**{task}** ({result.items} items)")
+        lines += ["", "| metric | candidate | baseline | delta | 95% CI |", "|---|---|---|---|---|"]
+        for k, d in s.deltas().items():
+            lo, hi = d.ci.bounds or (None, None)
+            lines.append(f"| {k} | {_fmt(d.candidate)} | {_fmt(d.baseline)} | {_fmt(d.delta)} | "
+                         f"[{_fmt(lo)}, {_fmt(hi)}] |")
+        ts = s.text_stats
+        for k in ("kld", "ppl_ratio", "same_top1", "delta_p"):
+            t = None if ts is None else ts.figure(k)
+            if t is not None:
+                lo, hi = t.ci.bounds or (None, None)
+                lines.append(f"| {k} | {_fmt(t.mean)} ± {_fmt(t.se, 2)} | | | [{_fmt(lo)}, {_fmt(hi)}] |")
+        lines.append("")
+    return lines
+
+
+def custom_regression_lines(evals: EvalResults) -> list[str]:
     """Per workload file (custom:NAME): the items whose answers changed most, so a reader sees which prompts."""
     def cell(text: Any) -> str:
         return " ".join(str(text).split()).replace("|", "¦")[:80] or "-"
 
     lines: list[str] = []
-    for task, e in evals.items():
-        worst = TaskSummary.from_json(e.get("summary")).get("worst_items")
+    for task, result in evals.tasks.items():
+        worst = None if result.summary is None else result.summary.get("worst_items")
         if not task.startswith("custom:") or worst is None:
             continue
         lines += [f"## Worst regressions: {task}", "",
