@@ -17,7 +17,7 @@ from qtoolkit.progress import bar, status
 from .backends.base import Backend
 from .backends.factory import make_backend
 from .registry import make_task, parse_tasks
-from .results import ResultsFile
+from .results import EvalResults, ResultsFile
 from .stats.paired import CONFIDENCE, N_RESAMPLES
 from .summary import PairedDelta, Rate, TaskSummary, TextStats
 from .task import check_same_vocabulary
@@ -124,9 +124,10 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
 def summary_lines(results: dict[str, Any]) -> list[str]:
     """A few human-readable lines per task for the terminal."""
     lines = []
-    for name, entry in results.get("tasks", {}).items():
-        lines.append(f"{name}: {entry.get('items', 0)} items")
-        for metric, v in TaskSummary.from_json(entry.get("summary")).entries.items():
+    for name, result in EvalResults.from_json(results).tasks.items():
+        lines.append(f"{name}: {result.items or 0} items")
+        summary = result.summary or TaskSummary.from_json(None)
+        for metric, v in summary.entries.items():
             if isinstance(v, PairedDelta) and v.delta is not None:
                 lo, hi = v.ci.bounds or (float("nan"), float("nan"))
                 lines.append(f"  {metric}: candidate {v.candidate:.4f} baseline {v.baseline:.4f} "
@@ -149,5 +150,5 @@ def _token_line(v: TextStats) -> str:
     if top1 is not None:
         parts.append(f"same top-1 {top1.mean:.3f}")
     if v.not_computed:
-        parts.append("not computed: " + "; ".join(v.not_computed))
+        parts.append("not computed: " + "; ".join(str(x) for x in v.not_computed))
     return ", ".join(parts) + f" ({v.tokens} tokens)"

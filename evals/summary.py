@@ -15,6 +15,28 @@ _CI_KEYS = ("ci95", "ci_method", "ci_coverage", "ci_reliable")
 
 
 @dataclass(frozen=True)
+class NotComputed:
+    """Figures a backend could not score, and why: one `not_computed` line of a summary ("figures: reason").
+
+    A line without the separator (the token statistics write "kld (needs ...)") is all `figures`, with no
+    separate reason; `to_json` gives every line back as it was read."""
+
+    figures: str
+    reason: str = ""
+
+    @classmethod
+    def from_json(cls, line: str) -> NotComputed:
+        figures, _, reason = line.partition(": ")
+        return cls(figures, reason)
+
+    def to_json(self) -> str:
+        return f"{self.figures}: {self.reason}" if self.reason else self.figures
+
+    def __str__(self) -> str:
+        return self.to_json()
+
+
+@dataclass(frozen=True)
 class Interval:
     """A 95% interval, the method that made it, and that method's simulated coverage at this sample size."""
 
@@ -39,7 +61,8 @@ class Interval:
 
 
 def _emit(full: dict[str, Any], keys: tuple[str, ...] | None) -> dict[str, Any]:
-    """The JSON of a figure: every key it was read with, in that order (older files carry fewer CI keys)."""
+    """The JSON of a figure: every key it was read with, in that order (a node without the coverage keys is
+    written back without them, so a file reads and writes byte for byte)."""
     return full if keys is None else {k: full[k] for k in keys}
 
 
@@ -159,8 +182,8 @@ class TextStats:
         return self.entries.get("tokens", 0)
 
     @property
-    def not_computed(self) -> list[str]:
-        return self.entries.get("not_computed") or []
+    def not_computed(self) -> list[NotComputed]:
+        return [NotComputed.from_json(line) for line in self.entries.get("not_computed") or []]
 
 
 @dataclass
@@ -200,8 +223,13 @@ class TaskSummary:
         return {k: v for k, v in self.entries.items() if isinstance(v, TextStats)}
 
     def get(self, key: str, default: Any = None) -> Any:
-        """A non-figure entry as JSON (isolation, worst_items, not_computed)."""
+        """A non-figure entry as JSON (isolation, worst_items, counts)."""
         return self.entries.get(key, default)
+
+    @property
+    def not_computed(self) -> list[NotComputed]:
+        """The figures of the task a backend could not score (e.g. teacher-forced NLL through an endpoint)."""
+        return [NotComputed.from_json(line) for line in self.entries.get("not_computed") or []]
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import pytest
 from qtoolkit.evals import runner
 from qtoolkit.evals.backends.base import GeneratedText, ScoringUnsupported
 from qtoolkit.evals.custom import CustomTask
+from qtoolkit.evals.results import EvalResults
 from qtoolkit.evals.runner import EvalConfig, evaluate
 from qtoolkit.evals.workload_file import iter_lines, sample_items
 
@@ -194,7 +195,7 @@ def test_tests_field_runs_in_the_sandbox_pass_and_fail(tmp_path, tokenizer_dir):
     assert s["pass@1"]["candidate"] == 0.0 and s["pass@1"]["baseline"] == 1.0
     assert s["not_computed"] and "kld" not in s["text_stats"]
     assert {x["id"] for x in s["worst_items"]} == {"add", "rev"} and s["worst_items"][0]["pass_lost"]
-    md = "\n".join(custom_regression_lines({"custom:t": {"summary": s}}))
+    md = "\n".join(custom_regression_lines(EvalResults.from_json({"tasks": {"custom:t": {"summary": s}}})))
     assert "## Worst regressions: custom:t" in md and "fail/pass" in md and "Write reverse(s)." in md
 
 
@@ -244,7 +245,8 @@ def test_signoff_gates_follow_the_file():
     policy = load_policy("default")
     assert "custom" not in gate_policy(policy, None, []).tasks  # no --data: no custom gates
     summary = {"items_with_reference": 0, "items_with_tests": 2}
-    gp = gate_policy(policy, {"tasks": {"custom:example-workload": {"summary": summary}}}, [str(EXAMPLE)])
+    gp = gate_policy(policy, EvalResults.from_json({"tasks": {"custom:example-workload": {"summary": summary}}}),
+                     [str(EXAMPLE)])
     assert set(gp.tasks["custom:example-workload"]) == {"kld_mean", "nll_delta", "pass_at_1_drop"}
     assert set(gate_policy(policy, None, [str(EXAMPLE)]).tasks["custom:example-workload"]) == set(
         policy.tasks["custom"])  # no results yet: every bound stays, and fails as "no results"

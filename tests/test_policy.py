@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from qtoolkit.evals.results import EvalResults
 from qtoolkit.evals.stats.paired import paired_delta
 from qtoolkit.evals.summary import TaskSummary
 
@@ -52,7 +53,7 @@ def test_identical_models_never_fail_quality_gates():
     summary = {"pass@1": paired_delta(same, same, seed=0),
                "nll_canonical_solution": paired_delta(same, same, seed=0),
                "text_stats": {"kld": {"mean_pm": [0.0, 0.0], "ci95": [0.0, 0.0]}}}
-    evals = {"tasks": {"code": {"summary": summary}}}
+    evals = EvalResults.from_json({"tasks": {"code": {"summary": summary}}})
     policy = load_policy("default").model_copy(update={"tasks": {"code": load_policy().tasks["code"]}})
     gates = {g.name: g for g in evaluate_gates(policy, evals, None, None)}
     # four all-equal deltas are too few for a reliable interval (evals/stats/paired.py): undecided, never FAIL

@@ -7,11 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+from qtoolkit.evals.results import EvalResults
 from qtoolkit.evals.stats.paired import paired_delta
 from qtoolkit.evals.summary import figure_from_json
 
 from qtoolkit.cli import main
 from qtoolkit.signoff.gates import FAIL, INCONCLUSIVE, NO_EVIDENCE, PASS, judge_quality, overall
+from qtoolkit.signoff.judge import Gate
 from qtoolkit.signoff.policy import load_policy
 from qtoolkit.signoff.run import evaluate_gates
 
@@ -56,7 +58,8 @@ def test_default_policy_rests_code_on_kld_and_nll_when_the_baseline_solves_nothi
     summary["nll_canonical_solution"] = paired_delta([1.0, 1.1, 0.9], [1.0, 1.0, 0.9], seed=0)
     policy = load_policy("default")
     policy = policy.model_copy(update={"tasks": {"code": policy.tasks["code"]}})
-    gates = {g.name: g for g in evaluate_gates(policy, {"tasks": {"code": {"summary": summary}}}, None, None)}
+    gates = {g.name: g for g in evaluate_gates(policy, EvalResults.from_json({"tasks": {"code": {"summary": summary}}}),
+                                                     None, None)}
     assert gates["code.pass_at_1_drop"].verdict == NO_EVIDENCE and not gates["code.pass_at_1_drop"].passed
     assert gates["code.kld_mean"].verdict == PASS
 
@@ -109,10 +112,10 @@ def test_crash_is_an_error_not_a_fail(tmp_path, capsys):
     assert rc == 2 and len(lines) == 1 and "steps.json is not valid JSON" in lines[0], stderr
     out = tmp_path / "run2"
     _fabricate(out, _summary(_kld(0.01, 0.02), [0] * 8, [0] * 8))
-    (out / "eval.json").write_text("[1, 2]")  # valid JSON of the wrong shape: a bug path, not a user error
+    (out / "eval.json").write_text("[1, 2]")  # valid JSON of the wrong shape: named, not a traceback
     rc, _, stderr = _signoff(out, policy, capsys)
     lines = stderr.strip().splitlines()
-    assert rc == 2 and len(lines) == 1 and lines[0].startswith("qtool: error: unexpected "), stderr
+    assert rc == 2 and len(lines) == 1 and "eval.json is not a qtool eval result" in lines[0], stderr
     rc, _, stderr = _signoff(tmp_path / "nothing", policy, capsys)
     assert rc == 2 and "holds no sign-off steps" in stderr
 
@@ -128,14 +131,15 @@ def test_inconclusive_gate_draws_more_items_up_to_the_budget():
         calls.append((items, overwrite, tasks))
         drawn["n"] = items
 
-    def judge() -> tuple[list[str], list[str]]:  # the interval narrows with the items: decisive from 32 on
-        return ([] if drawn["n"] >= 32 else ["summarization.rougeL_drop"]), []
+    def judge() -> tuple[list[Gate], list[Gate]]:  # the interval narrows with the items: decisive from 32 on
+        return ([] if drawn["n"] >= 32 else [Gate("summarization", "rougeL_drop", False, "straddles")]), []
 
     looks = draw_until_decisive(run, judge, 8, 64, resume=False)
     # later looks resume (finished items are reused) and draw only for the task whose gate is undecided
     assert calls == [(8, True, None), (16, False, ["summarization"]), (32, False, ["summarization"])]
     info = describe(looks, 64)
     assert [x["items"] for x in info["looks"]] == [8, 16, 32] and info["error_rate_bound"] == pytest.approx(0.15)
+    assert info["looks"][0]["undecided"] == ["summarization.rougeL_drop"]  # sequential.json names gates task.metric
     calls.clear()
-    assert len(draw_until_decisive(run, lambda: ([], ["code.kld_mean"]), 8, 64, resume=True)) == 1
+    assert len(draw_until_decisive(run, lambda: ([], [Gate("code", "kld_mean", False, "beyond")]), 8, 64, resume=True)) == 1
     assert calls == [(8, False, None)]  # a failed gate decides at once

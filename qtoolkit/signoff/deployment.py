@@ -20,7 +20,7 @@ from qtoolkit.evals.runner import EvalConfig, evaluate
 from ..bench.deployment import bench_deployments, throughput_table
 from ..endpoints.deployment import Deployment, EndpointInfo, endpoint, probe
 from ..errors import QToolError
-from ..evals.summary import TaskSummary
+from ..evals.results import EvalResults
 from ..io import write_json
 from ..model.sources import resolve_model
 from ..progress import status
@@ -32,10 +32,12 @@ from .policy import Policy, load_policy
 from .report import write_reports
 from .sequential import describe, draw_until_decisive
 from .steps import SignoffConfig, StepRunner
+from .verdict import DeploymentSection, Evidence, NotMeasurable, decide
 
 STEPS = ("checkpoint", "eval", "bench")
+QUALITY_TASKS = ("code", "summarization")  # built-in tasks whose figures an endpoint may not give
 NOT_MEASURABLE = "not measurable"
-# (key, what, why): measured by qtoolkit only on servers it starts itself, or on this machine
+# (key, what, why): qtoolkit measures these only on servers it starts itself, or on the machine it runs on
 ALWAYS_NOT_MEASURABLE = [
     ("ablation", "layer-by-layer ablation (static -> continuous batching -> speculative decoding -> quantization)",
      "each layer is a server setting qtoolkit switches on its own engine; an endpoint is one fixed configuration"),
@@ -60,26 +62,24 @@ def deployments(cfg: SignoffConfig) -> dict[str, Deployment]:
                                  model_id=cfg.baseline_model_id)}
 
 
-def _unmeasurable_gate(g: Gate, evals: dict[str, Any] | None, quant: dict[str, Any] | None) -> str | None:
+def _unmeasurable_gate(g: Gate, evals: EvalResults | None, quant: dict[str, Any] | None) -> str | None:
     """Why gate `g` cannot be measured through the endpoints, or None if it was (or should have been)."""
     if g.point is not None:
         return None
-    group, metric = g.name.split(".", 1)
-    if group == "throughput" and metric == "min_quantization_speedup":
+    if g.task == "throughput" and g.metric == "min_quantization_speedup":
         return ("quantization alone needs both models on the same static-batching engine; two endpoints give "
                 "only the deployments' ratio (throughput.min_speedup)")
-    if group == "memory":
+    if g.task == "memory":
         return None if quant else "the local --model folder has no quantize_report.json (write it with qtool quantize)"
-    if group in ("code", "summarization"):
-        raw = (((evals or {}).get("tasks") or {}).get(group) or {}).get("summary")
-        if raw is None:
+    if g.task in QUALITY_TASKS:
+        summary = None if evals is None else evals.summary(g.task)
+        if summary is None:
             return None  # the eval step failed: that is an error, not a property of the deployment
-        if metric.startswith("kld"):
+        if g.metric.startswith("kld"):
             return ALWAYS_NOT_MEASURABLE[1][2]
-        summary = TaskSummary.from_json(raw)
         stats = summary.text_stats
-        why = summary.get("not_computed", []) + (stats.not_computed if stats is not None else [])
-        return "; ".join(why) if why else None
+        why = summary.not_computed + (stats.not_computed if stats is not None else [])
+        return "; ".join(str(x) for x in why) if why else None
     return None
 
 
@@ -116,16 +116,8 @@ def signoff_deployments(cfg: SignoffConfig) -> dict[str, Any]:
                 "seed": cfg.seed, "rounds": cfg.rounds}
     results["bench"] = steps.run("bench", {"served": served, **bench_kw}, out / "bench.json",
                                  lambda: write_json(out / "bench.json", bench_deployments(deps, infos, **bench_kw)))
-    evals = _load(out / "eval.json") if results["eval"]["status"] == "ok" else None
-    bench = _load(out / "bench.json") if results["bench"]["status"] == "ok" else None
-    table = throughput_table(bench) if bench else None
-    gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, table, quant)
-    for g in gates:
-        if why := _unmeasurable_gate(g, evals, quant):
-            g.state, g.detail = NOT_MEASURABLE, f"not measurable on this deployment: {why}"
-            g.passed, g.verdict = False, verdicts.INCONCLUSIVE
     try:
-        return _decide_and_write(cfg, policy, infos, results, gates, evals, table, quant)
+        return _decide_and_write(cfg, policy, infos, results, quant)
     finally:
         steps.lock.release()  # the folder is free again for the next run in this process
 
@@ -147,8 +139,8 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
             model_id=infos["candidate"].model_id, baseline_model_id=infos["baseline"].model_id,
             task_options={"allow_weak_sandbox": cfg.allow_weak_sandbox, "custom_data": custom_tasks(cfg.data)}))
 
-    def judge() -> tuple[list[str], list[str]]:
-        evals = _load(out / "eval.json")
+    def judge() -> tuple[list[Gate], list[Gate]]:
+        evals = EvalResults.load(out / "eval.json")
         return undecided_and_failed(custom_signoff.gate_policy(policy, evals, cfg.data), evals,
                                     skip=lambda g: _unmeasurable_gate(g, evals, None) is not None)
 
@@ -165,45 +157,41 @@ def _load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _judge(cfg: SignoffConfig, policy: Policy, evals: EvalResults | None, table: dict[str, Any] | None,
+           quant: dict[str, Any] | None) -> tuple[list[Gate], list[NotMeasurable]]:
+    """The gates, those the endpoints cannot give marked `not measurable` (INCONCLUSIVE, never passed), and
+    what the report lists as not measurable: the engine-only figures, the figures the endpoints could not score,
+    and the gates marked outside the quality tasks (whose reasons the scores already give)."""
+    gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, table, quant)
+    items = [NotMeasurable(k, what, why) for k, what, why in ALWAYS_NOT_MEASURABLE]
+    for task, result in (evals.tasks if evals else {}).items():
+        for nc in [] if result.summary is None else result.summary.not_computed:
+            items.append(NotMeasurable(f"{task}.scores", f"{task}: {nc.figures}", nc.reason))
+    marked = []
+    for g in gates:
+        if why := _unmeasurable_gate(g, evals, quant):
+            g.state, g.detail = NOT_MEASURABLE, f"not measurable on this deployment: {why}"
+            g.passed, g.verdict = False, verdicts.INCONCLUSIVE
+            if g.task not in QUALITY_TASKS:
+                marked.append(NotMeasurable(g.name, f"gate {g.name}", why))
+    return gates, items + marked
+
+
 def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, EndpointInfo],
-                      results: dict[str, dict[str, Any]], gates: list[Gate], evals: dict[str, Any] | None,
-                      table: dict[str, Any] | None, quant: dict[str, Any] | None) -> dict[str, Any]:
-    failed_steps = [n for n in STEPS if results.get(n, {}).get("status") != "ok"]
-    failed_gates = [g for g in gates if g.verdict == verdicts.FAIL or (g.verdict != verdicts.PASS and g.required)]
-    verdict = (verdicts.ERROR if failed_steps else verdicts.FAIL if not gates
-               else verdicts.overall([(g.verdict, g.required) for g in gates]))
-    reasons = [f"step {n} failed: {results[n].get('error')}" for n in failed_steps]
-    # as the local sign-off words them: the gate's own verdict (a no-evidence gate has not "failed")
-    reasons += [f"gate {g.name} {g.verdict.lower()}: {g.detail}" for g in failed_gates]
-    not_measurable = [{"key": k, "what": what, "reason": why} for k, what, why in ALWAYS_NOT_MEASURABLE]
-    for task, entry in ((evals or {}).get("tasks") or {}).items():  # what the endpoints could not score
-        for line in (entry.get("summary") or {}).get("not_computed", []):
-            figures, _, why = line.partition(": ")
-            not_measurable.append({"key": f"{task}.scores", "what": f"{task}: {figures}", "reason": why})
-    not_measurable += [{"key": g.name, "what": f"gate {g.name}", "reason": g.detail.split(": ", 1)[1]}
-                       for g in gates if g.state == NOT_MEASURABLE and g.name.split(".")[0] not in ("code",
-                                                                                           "summarization")]
-    report = {
-        **provenance(model={"candidate": cfg.model, "baseline": cfg.baseline or cfg.model},
-                     deployments={r: i.url for r, i in infos.items()},
-                     policy={"name": policy.name, "path": policy.source}),
-        "verdict": verdict,
-        "reasons": reasons,
-        "reading": verdicts.reading(gates, evals, _load(Path(cfg.output) / "sequential.json") if evals else None),
-        # the recipe the served checkpoint was made with, as its quantize_report.json says
-        "config": {**asdict(cfg), "recipe": cfg.recipe or ((quant or {}).get("recipe") or {}).get("name")},
-        "policy": policy.model_dump(),
-        "gates": [asdict(g) for g in gates],
-        "steps": {n: {k: v for k, v in results.get(n, {}).items() if k != "key"} for n in STEPS},
-        "deployments": {r: asdict(i) for r, i in infos.items()},
-        "deployment_bench": table,
-        "not_measurable": not_measurable,
-        "quantize": {k: quant[k] for k in ("recipe", "totals", "timings", "smoke_test") if k in quant} if quant else None,
-        "eval": {t: {"items": e.get("items"), "summary": e.get("summary")}
-                 for t, e in (evals or {}).get("tasks", {}).items()} or None,
-        "eval_models": (evals or {}).get("models"),
-        "ablation": None,
-        "diagnose": None,
-    }
-    write_reports(Path(cfg.output), report)
-    return report
+                      results: dict[str, dict[str, Any]], quant: dict[str, Any] | None) -> dict[str, Any]:
+    out = Path(cfg.output)
+    steps = {n: results.get(n, {}) for n in STEPS}
+    evals = EvalResults.load(out / "eval.json") if steps["eval"].get("status") == "ok" else None
+    bench = _load(out / "bench.json") if steps["bench"].get("status") == "ok" else None
+    table = throughput_table(bench) if bench else None
+    gates, not_measurable = _judge(cfg, policy, evals, table, quant)
+    evidence = Evidence(steps, gates, evals, _load(out / "sequential.json"), quant)
+    deployment = DeploymentSection({r: asdict(i) for r, i in infos.items()}, table, not_measurable)
+    # the recipe the served checkpoint was made with, as its quantize_report.json says
+    config = {**asdict(cfg), "recipe": cfg.recipe or ((quant or {}).get("recipe") or {}).get("name")}
+    # no gate to judge is a FAIL here: a deployment passes only on what was measured through its endpoints
+    report = decide(evidence, config=config, policy=policy, deployment=deployment, without_gates=verdicts.FAIL,
+                    provenance=provenance(model={"candidate": cfg.model, "baseline": cfg.baseline or cfg.model},
+                                          deployments={r: i.url for r, i in infos.items()},
+                                          policy={"name": policy.name, "path": policy.source}))
+    return write_reports(out, report)

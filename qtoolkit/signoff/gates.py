@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..evals.summary import Figure, PairedDelta, TaskSummary
+from ..evals.results import EvalResults
+from ..evals.summary import Figure, PairedDelta
 
 PASS, FAIL, INCONCLUSIVE, NO_EVIDENCE = "PASS", "FAIL", "INCONCLUSIVE", "NO EVIDENCE"
 # ERROR is an overall verdict only: a step did not finish, so no gate could judge the candidate
@@ -124,13 +125,13 @@ RULE = ("Each gate is judged on its 95% interval: PASS when the end worst for th
         "or without evidence, else PASS; ERROR when a step failed. Exit codes: 0 PASS, 1 FAIL, 2 ERROR, 3 INCONCLUSIVE.")
 
 
-def reading(gates: list[Any], evals: dict[str, Any] | None, sequential: dict[str, Any] | None) -> list[str]:
-    """Sentences that tell a reader what the verdict rests on (gates are signoff.Gate objects)."""
+def reading(gates: list[Any], evals: EvalResults | None, sequential: dict[str, Any] | None) -> list[str]:
+    """Sentences that tell a reader what the verdict rests on (gates are signoff.judge.Gate objects)."""
     notes = [RULE]
     for g in gates:
         if g.verdict == NO_EVIDENCE and not g.required:
-            task = g.name.split(".")[0]
-            rest = [x.name for x in gates if x.name.startswith(task + ".") and x.verdict != NO_EVIDENCE]
+            task = g.task
+            rest = [x.name for x in gates if x.task == task and x.verdict != NO_EVIDENCE]
             on = " and ".join(rest) if rest else "no other gate"
             notes.append(f"{g.name} carries no evidence here ({g.detail}), so it is shown but not counted: "
                          f"{task} quality on this model rests on {on}.")
@@ -141,8 +142,8 @@ def reading(gates: list[Any], evals: dict[str, Any] | None, sequential: dict[str
                      "a required quality gate is inconclusive and none has failed, the items of the undecided "
                      "tasks double up to the budget, reusing finished ones; with K looks at 95% each, a decisive "
                      f"gate is wrong with probability at most K x 5% = {sequential['error_rate_bound']:.0%}.")
-    code = TaskSummary.from_json(((evals or {}).get("tasks", {}).get("code") or {}).get("summary"))
-    iso = code.get("isolation")
+    code = None if evals is None else evals.summary("code")
+    iso = None if code is None else code.get("isolation")
     if iso:
         weak = f" WEAK, opted out with --allow-weak-sandbox (missing: {'; '.join(iso['missing'])})" \
             if iso["mode"] != "bubblewrap" else ""

@@ -7,17 +7,22 @@ tier; memory gates the quantize report's totals.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ..evals.summary import RoundsRatio, TaskSummary
+from ..evals.results import EvalResults
+from ..evals.summary import RoundsRatio
 from . import gates as verdicts
 from .policy import METRICS, Policy, metric_figure, read_metric
 
 
 @dataclass
 class Gate:
-    name: str
+    """One bound of the policy judged against the figure it names: `task` is a quality task, `throughput` or
+    `memory`, and `metric` the bound's name under it in the policy."""
+
+    task: str
+    metric: str
     passed: bool
     detail: str
     point: float | None = None
@@ -27,46 +32,64 @@ class Gate:
     resolution: str = ""  # the smallest violation the gate could detect at the sample size used
     ci_method: str | None = None
     ci_coverage: float | None = None  # simulated coverage of that method at this sample size
-
-    @classmethod
-    def of(cls, name: str, j: verdicts.Judgement, point: float | None = None, judged: float | None = None) -> Gate:
-        return cls(name, j.verdict == verdicts.PASS, j.detail, point, judged, j.verdict, j.required, j.resolution,
-                   j.ci_method, j.ci_coverage)
     state: str | None = None  # "not measurable": the deployment cannot give the figure (an INCONCLUSIVE gate)
 
+    @classmethod
+    def of(cls, task: str, metric: str, j: verdicts.Judgement, point: float | None = None,
+           judged: float | None = None) -> Gate:
+        return cls(task, metric, j.verdict == verdicts.PASS, j.detail, point, judged, j.verdict, j.required,
+                   j.resolution, j.ci_method, j.ci_coverage)
+
+    @property
+    def name(self) -> str:
+        """The gate as report.json, sequential.json and the reasons name it: task.metric."""
+        return f"{self.task}.{self.metric}"
+
+    def to_json(self) -> dict[str, Any]:
+        node = asdict(self)
+        del node["task"], node["metric"]
+        return {"name": self.name, **node}
+
+    @classmethod
+    def from_json(cls, node: dict[str, Any]) -> Gate:
+        """A gate of report.json; a report without verdicts has `passed` only. The metric is the part after the
+        last dot: a policy's metric names have none, a workload file's task (custom:STEM) may."""
+        task, _, metric = node["name"].rpartition(".")
+        rest = {k: v for k, v in node.items() if k in _FIELDS}
+        rest.setdefault("verdict", verdicts.PASS if rest["passed"] else verdicts.FAIL)
+        return cls(task, metric, **rest)
 
 
-def undecided_and_failed(policy: Policy, evals: dict[str, Any] | None,
-                         skip: Callable[[Gate], bool] = lambda g: False) -> tuple[list[str], list[str]]:
+_FIELDS = {f.name for f in fields(Gate)} - {"task", "metric"}
+
+
+def undecided_and_failed(policy: Policy, evals: EvalResults | None,
+                         skip: Callable[[Gate], bool] = lambda g: False) -> tuple[list[Gate], list[Gate]]:
     """After one look of the sequential draw (qtoolkit/signoff/sequential.py): the required quality gates still
     INCONCLUSIVE or without evidence, and those that failed. `skip` leaves out gates that more items cannot
     decide (a figure an endpoint does not give)."""
-    quality = [g for g in evaluate_gates(policy, evals, None, None)
-               if g.name.split(".")[0] in policy.tasks and not skip(g)]
+    quality = [g for g in evaluate_gates(policy, evals, None, None) if g.task in policy.tasks and not skip(g)]
     undecided = (verdicts.INCONCLUSIVE, verdicts.NO_EVIDENCE)
-    return ([g.name for g in quality if g.required and g.verdict in undecided],
-            [g.name for g in quality if g.verdict == verdicts.FAIL])
+    return ([g for g in quality if g.required and g.verdict in undecided],
+            [g for g in quality if g.verdict == verdicts.FAIL])
 
 
-def evaluate_gates(policy: Policy, evals: dict[str, Any] | None, ablation: dict[str, Any] | None,
+def evaluate_gates(policy: Policy, evals: EvalResults | None, ablation: dict[str, Any] | None,
                    quant: dict[str, Any] | None) -> list[Gate]:
     gates: list[Gate] = []
-    tasks = (evals or {}).get("tasks", {})
     for task, bounds in policy.tasks.items():
-        entry = tasks.get(task) or {}
-        summary = None if entry.get("summary") is None else TaskSummary.from_json(entry["summary"])
+        summary = None if evals is None else evals.summary(task)
         for metric_name, bound in bounds.items():
-            name = f"{task}.{metric_name}"
             if summary is None:
-                gates.append(Gate(name, False, f"no {task} evaluation results", verdict=verdicts.NO_EVIDENCE,
-                                  required=bound.required))
+                gates.append(Gate(task, metric_name, False, f"no {task} evaluation results",
+                                  verdict=verdicts.NO_EVIDENCE, required=bound.required))
                 continue
             metric = METRICS[task][metric_name]
             point, judged = read_metric(summary, metric)
             j = verdicts.judge_quality(metric_figure(summary, metric), metric.sign, metric.worst == "point",
                                        max_=bound.max, min_=bound.min, min_share=bound.min_baseline_share,
                                        required=bound.required)
-            gates.append(Gate.of(name, j, point, judged))
+            gates.append(Gate.of(task, metric_name, j, point, judged))
     tiers = (ablation or {}).get("tiers") or []
     top = tiers[-1] if tiers else {}  # throughput is judged at the highest concurrency tier
     where = f" at concurrency {top['concurrency']}" if top else ""
@@ -84,17 +107,17 @@ def evaluate_gates(policy: Policy, evals: dict[str, Any] | None, ablation: dict[
         j = verdicts.judge_interval(point, lo, hi, max_=None, min_=limit,
                                     n_text=f", {rounds.rounds} rounds" if lo is not None else "")
         if lo is None and point is not None:
-            # a timing on this machine moves by 10-20% between runs: one round bounds none of that noise
+            # throughput on a shared CPU moves by 10-20% between runs: one round bounds none of that noise
             j = verdicts.Judgement(verdicts.INCONCLUSIVE, f"{point:.3g} from one round, no interval to judge "
                                    f"against min {limit:g}: pass --rounds 3 or more", j.resolution)
         j.detail += where + how
         if lo is not None:
             j = verdicts.with_interval_method(j, rounds.ci.method, rounds.ci.coverage, rounds.ci.reliable, "rounds")
-        gates.append(Gate.of(f"throughput.{attr}", j, point, judged))
+        gates.append(Gate.of("throughput", attr, j, point, judged))
     totals = (quant or {}).get("totals", {})
     for attr, key in (("max_linear_ratio_vs_bf16", "linear_ratio_vs_bf16"), ("max_checkpoint_bytes", "checkpoint_bytes")):
         limit = getattr(policy.memory, attr)
         if limit is not None:
             j = verdicts.judge_interval(totals.get(key), None, None, max_=limit, min_=None)
-            gates.append(Gate.of(f"memory.{attr}", j, totals.get(key), totals.get(key)))
+            gates.append(Gate.of("memory", attr, j, totals.get(key), totals.get(key)))
     return gates

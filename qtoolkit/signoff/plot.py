@@ -15,25 +15,24 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from ..errors import DataError
+from ..evals.results import EvalResults
 from ..evals.summary import PairedDelta, TaskSummary, figure_from_json
 from .report import _png, plot_kld
 
 
-def eval_kld_values(data: dict[str, Any]) -> dict[str, list[float]]:
+def eval_kld_values(evals: EvalResults) -> dict[str, list[float]]:
     """Per-token KLD values of every task (per text set for perplexity), as the report collects them."""
     out: dict[str, list[float]] = {}
-    for task, entry in data.get("tasks", {}).items():
-        for rec in entry.get("records", {}).values():
-            values = (rec.get("token_record") or {}).get("kld", [])
-            key = f"{task}/{rec['text_set']}" if "text_set" in rec else task
-            out.setdefault(key, []).extend(values)
+    for task, result in evals.tasks.items():
+        for text_set, values in result.token_klds().items():
+            out.setdefault(f"{task}/{text_set}" if text_set else task, []).extend(values)
     return {k: v for k, v in out.items() if v}
 
 
-def _deltas(data: dict[str, Any]) -> list[tuple[str, float, list[float | None]]]:
+def _deltas(evals: EvalResults) -> list[tuple[str, float, list[float | None]]]:
     rows = []
-    for task, entry in data.get("tasks", {}).items():
-        summary = TaskSummary.from_json(entry.get("summary"))
+    for task, result in evals.tasks.items():
+        summary = result.summary or TaskSummary.from_json(None)
         # a figure may sit one level down (summary[group][metric]) in a node of another shape
         nested = {f"{k}.{m}": figure_from_json(x) for k, v in summary.entries.items() if isinstance(v, dict)
                   for m, x in v.items()}
@@ -43,8 +42,8 @@ def _deltas(data: dict[str, Any]) -> list[tuple[str, float, list[float | None]]]
     return rows
 
 
-def plot_eval_deltas(data: dict[str, Any]) -> str | None:
-    rows = _deltas(data)
+def plot_eval_deltas(evals: EvalResults) -> str | None:
+    rows = _deltas(evals)
     if not rows:
         return None
     fig = Figure(figsize=(6.5, 0.75 * len(rows) + 0.6))
@@ -129,7 +128,11 @@ def plot_file(path: str | Path, output: str | Path | None = None) -> list[Path]:
         raise DataError(f"{path} is not JSON ({e}): pass the JSON that qtool eval or qtool bench serve wrote") \
             from None
     if isinstance(data, dict) and "tasks" in data:
-        plots = {"kld": plot_kld(eval_kld_values(data)), "quality": plot_eval_deltas(data)}
+        try:
+            evals = EvalResults.from_json(data)
+        except DataError as e:
+            raise DataError(f"{path}: {e}") from None
+        plots = {"kld": plot_kld(eval_kld_values(evals)), "quality": plot_eval_deltas(evals)}
     elif isinstance(data, dict) and "tiers" in data:
         plots = plot_bench(data)
     else:

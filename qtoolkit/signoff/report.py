@@ -19,20 +19,24 @@ from markupsafe import Markup
 from matplotlib.figure import Figure
 
 from ..diagnose.result import DiagnoseResult
+from ..evals.results import EvalResults
 from ..evals.summary import RoundsRatio, TaskSummary
 from ..io import write_json, write_text
+from .judge import Gate
+from .policy import Policy
 from .report_deployment import deployment_lines
+from .verdict import SignoffReport
 
 _STATUS = {True: "PASS", False: "FAIL"}
 _COLORS = {"PASS": "#1a7f37", "FAIL": "#cf222e", "INCONCLUSIVE": "#9a6700"}
 
 
-def _verdict(g: dict[str, Any]) -> str:
-    """A gate's verdict as shown: PASS / FAIL / INCONCLUSIVE / no evidence (older reports: passed only)."""
-    v = g.get("verdict") or _STATUS[g["passed"]]
-    if g.get("state"):  # e.g. "not measurable" on a deployment sign-off
-        return f"{v} ({g['state']})"
-    return "no evidence" + ("" if g.get("required", True) else " (not required)") if v == "NO EVIDENCE" else v
+def _verdict(g: Gate) -> str:
+    """A gate's verdict as shown: PASS / FAIL / INCONCLUSIVE / no evidence."""
+    v = g.verdict or _STATUS[g.passed]
+    if g.state:  # e.g. "not measurable" on a deployment sign-off
+        return f"{v} ({g.state})"
+    return "no evidence" + ("" if g.required else " (not required)") if v == "NO EVIDENCE" else v
 
 
 def _cell(v: Any) -> str:
@@ -78,25 +82,22 @@ def plot_throughput(report: dict[str, Any]) -> str | None:
     return _png(fig)
 
 
-def plot_quality(report: dict[str, Any]) -> str | None:
-    gates = [g for g in report["gates"] if g["name"].split(".")[0] in ("code", "summarization")]
+def plot_quality(gates: list[Gate], policy: Policy) -> str | None:
+    gates = [g for g in gates if g.task in ("code", "summarization")]
     if not gates:
         return None
     fig = Figure(figsize=(6.5, 0.75 * len(gates) + 0.6))
     axes = fig.subplots(len(gates), 1, squeeze=False)
-    bounds = report["policy"]["tasks"]
     for ax, g in zip(axes[:, 0], gates, strict=True):
-        task, metric = g["name"].split(".", 1)
-        bound = bounds[task][metric]
-        limit = bound.get("max") if bound.get("max") is not None else bound.get("min")
-        color = {"PASS": "tab:green", "FAIL": "tab:red"}.get(g.get("verdict") or _STATUS[g["passed"]], "tab:orange")
-        if g["point"] is not None:
-            lo, hi = sorted((g["point"], g["judged"]))
-            ax.errorbar([g["point"]], [0], xerr=[[g["point"] - lo], [hi - g["point"]]], fmt="o", color=color,
-                        capsize=4)
-            ax.plot([g["judged"]], [0], marker="|", markersize=14, color=color)
+        bound = policy.tasks[g.task][g.metric]
+        limit = bound.max if bound.max is not None else bound.min
+        color = {"PASS": "tab:green", "FAIL": "tab:red"}.get(g.verdict or _STATUS[g.passed], "tab:orange")
+        if g.point is not None:
+            lo, hi = sorted((g.point, g.judged))
+            ax.errorbar([g.point], [0], xerr=[[g.point - lo], [hi - g.point]], fmt="o", color=color, capsize=4)
+            ax.plot([g.judged], [0], marker="|", markersize=14, color=color)
         ax.axvline(limit, color="black", linestyle="--", linewidth=1)
-        ax.set_yticks([0], [g["name"]])
+        ax.set_yticks([0], [g.name])
         ax.grid(axis="x", alpha=0.3)
     axes[0, 0].set_title("Quality: point estimate to the judged CI bound, dashed = policy limit")
     fig.tight_layout()
@@ -159,25 +160,24 @@ def plot_roofline(report: dict[str, Any]) -> str | None:
 
 
 def kld_values(folder: Path) -> dict[str, list[float]]:
-    """Per-token KLD values from the eval records (for the distribution plot)."""
+    """Per-token KLD values from the eval records (for the distribution plot), every text set of a task together."""
     path = folder / "eval.json"
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text())
     out = {}
-    for task, entry in data.get("tasks", {}).items():
-        vals = [x for r in entry.get("records", {}).values() for x in (r.get("token_record") or {}).get("kld", [])]
+    for task, result in EvalResults.load(path).tasks.items():
+        vals = [x for values in result.token_klds().values() for x in values]
         if vals:
             out[task] = vals
     return out
 
 
-def _method_cell(gate: dict[str, Any]) -> str:
+def _method_cell(gate: Gate) -> str:
     """The interval's method and its simulated coverage at the sample size used (evals/stats/ci_coverage_table.py)."""
-    if not gate.get("ci_method"):
+    if not gate.ci_method:
         return ""
-    cov = gate.get("ci_coverage")
-    return f" ({gate['ci_method']}{'' if cov is None else f', simulated coverage {cov:.1%}'})"
+    cov = gate.ci_coverage
+    return f" ({gate.ci_method}{'' if cov is None else f', simulated coverage {cov:.1%}'})"
 
 
 # ---- text ----------------------------------------------------------------------------------------------------
@@ -191,9 +191,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"## {why}", ""] + [f"- {r}" for r in report["reasons"]] + [""]
     lines += ["## Gates", "", "| gate | result | point | judged (CI bound) | detail | could detect |",
               "|---|---|---|---|---|---|"]
-    lines += [f"| {g['name']} | {_verdict(g)} | {_fmt(g['point'])} | {_fmt(g['judged'])} | {_cell(g['detail'])} | "
-              f"{_cell(g.get('resolution', ''))}{_method_cell(g)} |"
-              for g in report["gates"]]
+    lines += [f"| {g.name} | {_verdict(g)} | {_fmt(g.point)} | {_fmt(g.judged)} | {_cell(g.detail)} | "
+              f"{_cell(g.resolution)}{_method_cell(g)} |"
+              for g in map(Gate.from_json, report["gates"])]
     if report.get("reading"):
         lines += ["", "## How to read this verdict", ""] + [f"- {n}" for n in report["reading"]]
     lines += ["", "## Steps", "", "| step | status | seconds | note |", "|---|---|---|---|"]
@@ -221,24 +221,9 @@ def markdown(report: dict[str, Any]) -> str:
                     per = ", ".join(f"{v:.3f}" for v in r.per_round)
                     lines += [f"Repeated rounds, {what} over the baseline: {_fmt(r.ratio, 3)}x, {ci} over "
                               f"{r.rounds} rounds of fresh requests (per round: {per}).", ""]
-    if report.get("eval"):
-        lines += ["## Quality per task (candidate vs baseline, paired 95% CI)", ""]
-        for task, e in report["eval"].items():
-            s = TaskSummary.from_json(e.get("summary"))
-            lines.append(f"**{task}** ({e.get('items')} items)")
-            lines += ["", "| metric | candidate | baseline | delta | 95% CI |", "|---|---|---|---|---|"]
-            for k, d in s.deltas().items():
-                lo, hi = d.ci.bounds or (None, None)
-                lines.append(f"| {k} | {_fmt(d.candidate)} | {_fmt(d.baseline)} | {_fmt(d.delta)} | "
-                             f"[{_fmt(lo)}, {_fmt(hi)}] |")
-            ts = s.text_stats
-            for k in ("kld", "ppl_ratio", "same_top1", "delta_p"):
-                t = None if ts is None else ts.figure(k)
-                if t is not None:
-                    lo, hi = t.ci.bounds or (None, None)
-                    lines.append(f"| {k} | {_fmt(t.mean)} ± {_fmt(t.se, 2)} | | | [{_fmt(lo)}, {_fmt(hi)}] |")
-            lines.append("")
-    lines += custom_regression_lines(report.get("eval") or {})
+    # the report's eval section has eval.json's layout per task (items, summary)
+    evals = EvalResults.from_json({"tasks": report.get("eval") or {}})
+    lines += quality_lines(evals) + custom_regression_lines(evals)
     q = report.get("quantize")
     if q:
         t = q["totals"]
@@ -256,14 +241,37 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def custom_regression_lines(evals: dict[str, Any]) -> list[str]:
+def quality_lines(evals: EvalResults) -> list[str]:
+    """Per task: each paired delta and token statistic, candidate against baseline with its 95% interval."""
+    if not evals.tasks:
+        return []
+    lines = ["## Quality per task (candidate vs baseline, paired 95% CI)", ""]
+    for task, result in evals.tasks.items():
+        s = result.summary or TaskSummary.from_json(None)
+        lines.append(f"**{task}** ({result.items} items)")
+        lines += ["", "| metric | candidate | baseline | delta | 95% CI |", "|---|---|---|---|---|"]
+        for k, d in s.deltas().items():
+            lo, hi = d.ci.bounds or (None, None)
+            lines.append(f"| {k} | {_fmt(d.candidate)} | {_fmt(d.baseline)} | {_fmt(d.delta)} | "
+                         f"[{_fmt(lo)}, {_fmt(hi)}] |")
+        ts = s.text_stats
+        for k in ("kld", "ppl_ratio", "same_top1", "delta_p"):
+            t = None if ts is None else ts.figure(k)
+            if t is not None:
+                lo, hi = t.ci.bounds or (None, None)
+                lines.append(f"| {k} | {_fmt(t.mean)} ± {_fmt(t.se, 2)} | | | [{_fmt(lo)}, {_fmt(hi)}] |")
+        lines.append("")
+    return lines
+
+
+def custom_regression_lines(evals: EvalResults) -> list[str]:
     """Per workload file (custom:NAME): the items whose answers changed most, so a reader sees which prompts."""
     def cell(text: Any) -> str:
         return " ".join(str(text).split()).replace("|", "¦")[:80] or "-"
 
     lines: list[str] = []
-    for task, e in evals.items():
-        worst = TaskSummary.from_json(e.get("summary")).get("worst_items")
+    for task, result in evals.tasks.items():
+        worst = None if result.summary is None else result.summary.get("worst_items")
         if not task.startswith("custom:") or worst is None:
             continue
         lines += [f"## Worst regressions: {task}", "",
@@ -320,11 +328,14 @@ def html_report(report: dict[str, Any], md: str, plots: dict[str, str | None]) -
                             plots=[(name, data) for name, data in plots.items() if data])
 
 
-def write_reports(folder: Path, report: dict[str, Any]) -> None:
-    plots = {"throughput": plot_throughput(report), "quality": plot_quality(report),
+def write_reports(folder: Path, signoff: SignoffReport) -> dict[str, Any]:
+    """Write report.json, report.md and report.html; returns what report.json holds."""
+    report = signoff.to_json()
+    plots = {"throughput": plot_throughput(report), "quality": plot_quality(signoff.gates, signoff.policy),
              "kld": plot_kld(kld_values(folder)), "memory": plot_memory(report), "roofline": plot_roofline(report)}
     report["plots"] = sorted(k for k, v in plots.items() if v)
     md = markdown(report)
     write_json(folder / "report.json", report)
     write_text(folder / "report.md", md)
     write_text(folder / "report.html", html_report(report, md, plots))
+    return report

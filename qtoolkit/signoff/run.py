@@ -18,6 +18,7 @@ from ..draft.format import check_fits, read_head_config
 from ..engine.config import EngineConfig
 from ..errors import QToolError
 from ..evals.custom import custom_tasks
+from ..evals.results import EvalResults
 from ..evals.runner import EvalConfig, evaluate
 from ..evals.sandbox.run import require
 from ..io import write_json
@@ -26,7 +27,6 @@ from ..model.sources import ModelSource, resolve_model
 from ..provenance import provenance
 from ..quantize.recipe import Recipe, load_recipe
 from ..quantize.run import quantize
-from . import gates as verdicts
 from . import workload as custom_signoff
 from .deployment import signoff_deployments
 from .judge import Gate, evaluate_gates, undecided_and_failed
@@ -34,6 +34,7 @@ from .policy import Policy, load_policy
 from .report import write_reports
 from .sequential import describe, draw_until_decisive
 from .steps import STEPS, SignoffConfig, StepRunner
+from .verdict import Evidence, decide
 
 __all__ = ["Gate", "SignoffConfig", "evaluate_gates", "signoff"]
 
@@ -142,8 +143,8 @@ class _Run:
                                 task_options={"allow_weak_sandbox": cfg.allow_weak_sandbox,
                                               "custom_data": custom_tasks(cfg.data)}))
 
-        def judge() -> tuple[list[str], list[str]]:
-            evals = _load(out / "eval.json")
+        def judge() -> tuple[list[Gate], list[Gate]]:
+            evals = EvalResults.load(out / "eval.json")
             return undecided_and_failed(custom_signoff.gate_policy(policy, evals, cfg.data), evals)
 
         resume = self.runner.interrupted("eval", inputs)
@@ -189,31 +190,13 @@ def _rejudge(cfg: SignoffConfig, policy: Policy, out: Path) -> dict[str, Any]:
 
 def _decide(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: dict[str, Any], out: Path,
             results: dict[str, dict[str, Any]], quant: dict[str, Any] | None) -> dict[str, Any]:
-    evals = _load(out / "eval.json") if results.get("eval", {}).get("status") == "ok" else None
-    bench = _load(out / "bench.json") if results.get("bench", {}).get("status") == "ok" else None
+    steps = {n: results.get(n, {}) for n in STEPS}
+    evals = EvalResults.load(out / "eval.json") if steps["eval"].get("status") == "ok" else None
+    bench = _load(out / "bench.json") if steps["bench"].get("status") == "ok" else None
     ablation = ablation_table(bench) if bench else None
     gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, ablation, quant)
-    failed_steps = [n for n in STEPS if results.get(n, {}).get("status") != "ok"]
-    verdict = verdicts.ERROR if failed_steps else verdicts.overall([(g.verdict, g.required) for g in gates])
-    reasons = [f"step {n} failed: {results[n].get('error')}" for n in failed_steps]
-    reasons += [f"gate {g.name} {g.verdict.lower()}: {g.detail}" for g in gates
-                if g.verdict == verdicts.FAIL or (g.verdict != verdicts.PASS and g.required)]
-    report = {
-        **provenance(model=model, recipe=recipe,
-                     policy={"name": policy.name, "path": policy.source}),
-        "verdict": verdict,
-        "reasons": reasons,
-        "reading": verdicts.reading(gates, evals, _load(out / "sequential.json") if evals else None),
-        "config": asdict(cfg),
-        "policy": policy.model_dump(),
-        "gates": [asdict(g) for g in gates],
-        "steps": {n: {k: v for k, v in results.get(n, {}).items() if k != "key"} for n in STEPS},
-        "quantize": {k: quant[k] for k in ("recipe", "totals", "timings", "smoke_test")} if quant else None,
-        "eval": {t: {"items": e.get("items"), "summary": e.get("summary")}
-                 for t, e in (evals or {}).get("tasks", {}).items()} or None,
-        "eval_models": (evals or {}).get("models"),
-        "ablation": ablation,
-        "diagnose": _load(out / "diagnose.json") if results["diagnose"]["status"] == "ok" else None,
-    }
-    write_reports(out, report)
-    return report
+    evidence = Evidence(steps, gates, evals, _load(out / "sequential.json"), quant, ablation,
+                        _load(out / "diagnose.json") if steps["diagnose"].get("status") == "ok" else None)
+    report = decide(evidence, config=asdict(cfg), policy=policy, provenance=provenance(
+        model=model, recipe=recipe, policy={"name": policy.name, "path": policy.source}))
+    return write_reports(out, report)

@@ -13,14 +13,21 @@ gate (the union bound), not 5%. The report states K.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import Any
+
+from .judge import Gate
 
 
 @dataclass
 class Look:
     items: int
-    undecided: list[str]  # required quality gates still INCONCLUSIVE / without evidence after this look
-    failed: list[str]
+    undecided: list[Gate]  # required quality gates still INCONCLUSIVE / without evidence after this look
+    failed: list[Gate]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"items": self.items, "undecided": [g.name for g in self.undecided],
+                "failed": [g.name for g in self.failed]}
 
 
 def stages(limit: int, max_items: int | None) -> list[int]:
@@ -32,15 +39,15 @@ def stages(limit: int, max_items: int | None) -> list[int]:
 
 
 def draw_until_decisive(run: Callable[[int, bool, list[str] | None], None],
-                        judge: Callable[[], tuple[list[str], list[str]]], limit: int, max_items: int | None, *,
+                        judge: Callable[[], tuple[list[Gate], list[Gate]]], limit: int, max_items: int | None, *,
                         resume: bool) -> list[Look]:
     """`run(items, overwrite, tasks)` evaluates that many items of those tasks (None: all);
-    `judge()` -> (undecided gates, failed gates), named task.metric."""
+    `judge()` -> (undecided gates, failed gates)."""
     looks: list[Look] = []
     tasks: list[str] | None = None
     for i, items in enumerate(stages(limit, max_items)):
         if i:
-            tasks = sorted({g.split(".")[0] for g in looks[-1].undecided})
+            tasks = sorted({g.task for g in looks[-1].undecided})
         run(items, not resume and i == 0, tasks)
         undecided, failed = judge()
         looks.append(Look(items, undecided, failed))
@@ -50,5 +57,5 @@ def draw_until_decisive(run: Callable[[int, bool, list[str] | None], None],
 
 
 def describe(looks: list[Look], max_items: int | None) -> dict:
-    return {"looks": [asdict(x) for x in looks], "max_items": max_items,
+    return {"looks": [x.to_json() for x in looks], "max_items": max_items,
             "error_rate_bound": round(0.05 * len(looks), 3)}

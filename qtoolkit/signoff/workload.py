@@ -7,12 +7,11 @@ any `tests`) is left out of that file's gates rather than failing as "not measur
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 from ..bench.workload_files import FileWorkload
 from ..evals.custom import custom_tasks
+from ..evals.results import EvalResults
 from ..evals.workload_file import file_sha256
 from .policy import Policy, PolicyError
 
@@ -38,12 +37,11 @@ def data_inputs(data: list[str]) -> list[dict[str, str]]:
     return [{"path": str(p), "sha256": file_sha256(p)} for p in data]
 
 
-def gate_policy(policy: Policy, evals: dict[str, Any] | None, data: list[str]) -> Policy:
+def gate_policy(policy: Policy, evals: EvalResults | None, data: list[str]) -> Policy:
     """The policy with `custom` expanded to one section per workload file (and dropped without --data)."""
     tasks = {t: b for t, b in policy.tasks.items() if t != "custom"}
-    results = (evals or {}).get("tasks", {})
     for name in custom_tasks(data):
-        summary = (results.get(name) or {}).get("summary")
+        summary = None if evals is None else evals.summary(name)
         tasks[name] = {m: b for m, b in policy.tasks["custom"].items()
                        if summary is None or m not in _NEEDS or summary.get(_NEEDS[m])}
     return policy.model_copy(update={"tasks": tasks})
@@ -55,9 +53,9 @@ def bench_workload(data: list[str], eval_path: Path) -> str | FileWorkload:
     if not data:
         return "mixed"
     workload = FileWorkload(tuple(str(p) for p in data))
-    tasks = json.loads(eval_path.read_text()).get("tasks", {}) if eval_path.is_file() else {}
+    tasks = EvalResults.load(eval_path).tasks if eval_path.is_file() else {}
     for name, path in custom_tasks(data).items():
-        for record in (tasks.get(name) or {}).get("records", {}).values():
+        for record in tasks[name].records.values() if name in tasks else ():
             workload.lengths[f"{Path(path).stem}/{record['id']}"] = max(record["baseline"]["tokens"], 1)
     if workload.lengths:
         workload.sources["baseline greedy answers of the eval step"] = len(workload.lengths)
