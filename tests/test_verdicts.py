@@ -135,7 +135,8 @@ def test_inconclusive_gate_draws_more_items_up_to_the_budget():
     # later looks resume (finished items are reused) and draw only for the task whose gate is undecided
     assert calls == [(8, True, None), (16, False, ["summarization"]), (32, False, ["summarization"])]
     info = describe(looks, 64)
-    assert [x["items"] for x in info["looks"]] == [8, 16, 32] and info["error_rate_bound"] == pytest.approx(0.15)
+    assert [x["items"] for x in info["looks"]] == [8, 16, 32] and info["error_rate_bound"] == pytest.approx(0.05)
+    assert info["design"]["planned_items"] == [8, 16, 32, 64]
     calls.clear()
     assert len(draw_until_decisive(run, lambda: ([], ["code.kld_mean"]), 8, 64, resume=True)) == 1
     assert calls == [(8, False, None)]  # a failed gate decides at once

@@ -117,11 +117,27 @@ def overall(verdicts: list[tuple[str, bool]]) -> str:
     return PASS
 
 
-RULE = ("Each gate is judged on its 95% interval: PASS when the end worst for the candidate is within the bound, "
+RULE = ("Each gate is judged on its interval (95% when judged once; a quality gate judged over several looks uses "
+        "each look's own level, below): PASS when the end worst for the candidate is within the bound, "
         "FAIL when the whole interval is beyond it, INCONCLUSIVE when it straddles the bound or the interval "
         "method is unreliable at this many items; NO EVIDENCE when the metric cannot discriminate on this model "
         "(never a PASS). Overall: FAIL if any gate fails, else INCONCLUSIVE if a required gate is inconclusive "
         "or without evidence, else PASS; ERROR when a step failed. Exit codes: 0 PASS, 1 FAIL, 2 ERROR, 3 INCONCLUSIVE.")
+
+
+def error_statement(sequential: dict[str, Any]) -> str:
+    """The overall error of a decisive quality gate over its looks (sequential.json's design)."""
+    design = sequential.get("design")
+    if design is None:  # written before error spending: every look judged a 95% interval
+        k = len(sequential["looks"])
+        return (f"With {k} look(s) at 95% each, a decisive gate is wrong with probability at most K x 5% = "
+                f"{0.05 * k:.0%}.")
+    k = len(design["planned_items"])
+    if k == 1:
+        return f"A decisive gate is wrong with probability at most {sequential['error_rate_bound']:.0%} (one look)."
+    return (f"A decisive gate is wrong with probability at most {sequential['error_rate_bound']:.0%} over its {k} "
+            f"looks, {design['name']}: each look's intervals are at that look's level and the looks' errors sum "
+            "to the total (Pocock-type, not O'Brien-Fleming, so the first look keeps a level it can decide at).")
 
 
 def reading(gates: list[Any], evals: dict[str, Any] | None, sequential: dict[str, Any] | None) -> list[str]:
@@ -139,8 +155,7 @@ def reading(gates: list[Any], evals: dict[str, Any] | None, sequential: dict[str
         sizes = " -> ".join(str(x["items"]) for x in looks)
         notes.append(f"Sample size: {sizes} items over {len(looks)} look(s) (budget --max-items {budget}). While "
                      "a required quality gate is inconclusive and none has failed, the items of the undecided "
-                     "tasks double up to the budget, reusing finished ones; with K looks at 95% each, a decisive "
-                     f"gate is wrong with probability at most K x 5% = {sequential['error_rate_bound']:.0%}.")
+                     "tasks double up to the budget, reusing finished ones. " + error_statement(sequential))
     code = TaskSummary.from_json(((evals or {}).get("tasks", {}).get("code") or {}).get("summary"))
     iso = code.get("isolation")
     if iso:

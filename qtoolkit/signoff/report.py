@@ -22,6 +22,7 @@ from ..diagnose.result import DiagnoseResult
 from ..evals.summary import RoundsRatio, TaskSummary
 from ..io import write_json, write_text
 from .report_deployment import deployment_lines
+from .sequential import design_of
 
 _STATUS = {True: "PASS", False: "FAIL"}
 _COLORS = {"PASS": "#1a7f37", "FAIL": "#cf222e", "INCONCLUSIVE": "#9a6700"}
@@ -180,6 +181,15 @@ def _method_cell(gate: dict[str, Any]) -> str:
     return f" ({gate['ci_method']}{'' if cov is None else f', simulated coverage {cov:.1%}'})"
 
 
+def look_level(cfg: dict[str, Any], items: int | None) -> float:
+    """The confidence level (in %) of the look that drew `items`: the error-spending design of the sign-off's
+    --limit and --max-items (qtoolkit/signoff/error_spending.py); 95 when judged once."""
+    limit = cfg.get("limit")
+    if not limit or not items:
+        return 95.0
+    return 100 * design_of(limit, cfg.get("max_items")).level_at(items)
+
+
 # ---- text ----------------------------------------------------------------------------------------------------
 def markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
@@ -222,11 +232,12 @@ def markdown(report: dict[str, Any]) -> str:
                     lines += [f"Repeated rounds, {what} over the baseline: {_fmt(r.ratio, 3)}x, {ci} over "
                               f"{r.rounds} rounds of fresh requests (per round: {per}).", ""]
     if report.get("eval"):
-        lines += ["## Quality per task (candidate vs baseline, paired 95% CI)", ""]
+        lines += ["## Quality per task (candidate vs baseline, paired CI at the level of the task's last look)", ""]
         for task, e in report["eval"].items():
             s = TaskSummary.from_json(e.get("summary"))
+            level = look_level(cfg, e.get("items"))
             lines.append(f"**{task}** ({e.get('items')} items)")
-            lines += ["", "| metric | candidate | baseline | delta | 95% CI |", "|---|---|---|---|---|"]
+            lines += ["", f"| metric | candidate | baseline | delta | {level:.4g}% CI |", "|---|---|---|---|---|"]
             for k, d in s.deltas().items():
                 lo, hi = d.ci.bounds or (None, None)
                 lines.append(f"| {k} | {_fmt(d.candidate)} | {_fmt(d.baseline)} | {_fmt(d.delta)} | "
