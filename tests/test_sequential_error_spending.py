@@ -9,38 +9,42 @@ from qtoolkit.evals.stats.paired import current_confidence, paired_delta
 from qtoolkit.evals.summary import figure_from_json
 
 from qtoolkit.commands.signoff import DEFAULT_MAX_ITEMS
-from qtoolkit.signoff.error_spending import ALPHA, plan, pocock_spent
+from qtoolkit.signoff.error_spending import ALPHA, SPEND, plan, pocock_spent
 from qtoolkit.signoff.gates import INCONCLUSIVE, PASS, error_statement, judge_quality, reading
 from qtoolkit.signoff.report import look_level
 from qtoolkit.signoff.sequential import describe, design_of, draw_until_decisive, stages
 
 
 @pytest.mark.parametrize("looks", [[8, 16, 32, 64], [8, 16, 32, 40], [2, 4], [8, 64], [1, 2, 4, 8, 16, 32, 64]])
-def test_spent_error_sums_to_alpha_and_grows_with_the_looks(looks):
-    d = plan(looks)
-    assert sum(d.look_alphas) == pytest.approx(ALPHA, abs=1e-12)
-    assert d.spent[-1] == ALPHA and all(b > a for a, b in zip(d.spent, d.spent[1:], strict=False))
+@pytest.mark.parametrize("alpha", [None, 0.05])
+def test_spent_error_sums_to_the_design_total_and_grows_with_the_looks(looks, alpha):
+    d = plan(looks, alpha)
+    total = SPEND if alpha is None else alpha
+    assert d.alpha == total and sum(d.look_alphas) == pytest.approx(total, abs=1e-12)
+    assert d.spent[-1] == total and all(b > a for a, b in zip(d.spent, d.spent[1:], strict=False))
     assert all(a > 0 for a in d.look_alphas)
     assert all(1 - ALPHA < c < 1 for c in d.levels)  # every look is stricter than a single 95% look
     assert [d.level_at(n) for n in looks] == list(d.levels)
+    assert d.level_at(looks[-1] + 1) == d.levels[-1]
 
 
 def test_main_job_levels_and_single_look():
     d = design_of(8, DEFAULT_MAX_ITEMS)
-    assert d.items == (8, 16, 32, 64)
+    assert d.items == (8, 16, 32, 64) and SPEND <= ALPHA
     assert d.spent[0] == pytest.approx(pocock_spent(8 / 64))
-    assert [round(c, 4) for c in d.levels] == [0.9903, 0.9919, 0.9869, 0.9810]
+    assert [round(c, 4) for c in d.levels] == [0.9942, 0.9951, 0.9921, 0.9886]
+    assert [round(c, 4) for c in plan([8, 16, 32, 64], 0.05).levels] == [0.9903, 0.9919, 0.9869, 0.9810]
     assert design_of(8, 8).levels == (0.95,) and design_of(8, None).levels == (0.95,)
-    assert pocock_spent(0) == 0 and pocock_spent(1) == pytest.approx(ALPHA)
+    assert pocock_spent(0) == 0 and pocock_spent(1) == pytest.approx(SPEND) and pocock_spent(2) == pocock_spent(1)
     with pytest.raises(ValueError, match="increasing"):
         plan([8, 8])
     with pytest.raises(ValueError, match="alpha"):
-        plan([8], alpha=1.5)
+        plan([8, 16], alpha=1.5)
 
 
 def test_each_look_computes_its_intervals_at_its_own_level():
     """A gate judged at look k reads an interval made at look k's level: the same items at 95% would PASS at the
-    first look, the look's 99.03% interval straddles the bound, and the draw goes on."""
+    first look, the look's 99.42% interval straddles the bound, and the draw goes on."""
     rng = np.random.default_rng(3)
     base = rng.normal(2.0, 0.3, 64)
     cand = base + 0.03 + rng.normal(0, 0.02, 64)  # NLL-like per-item values, delta ~0.03
@@ -72,13 +76,14 @@ def test_report_states_the_overall_error_not_k_times_5_percent():
     seq = describe(looks, 64)
     assert seq["error_rate_bound"] == 0.05 and len(seq["looks"]) == 4
     text = error_statement(seq)
-    assert "at most 5% over its 4 looks" in text and "Pocock" in text and "8 items at 99.03%" in text
+    assert "at most 5% over its 4 looks" in text and "Pocock" in text and "8 items at 99.42%" in text
+    assert "3% nominal" in text
     assert "K x 5%" not in text
     notes = reading([], None, seq)
     assert any("4 look(s)" in n and "at most 5% over its 4 looks" in n for n in notes)
-    assert error_statement(describe(looks[:1], 8)) == "A decisive gate is wrong with probability at most 5% (one look)."
+    assert error_statement(describe(looks[:1], 8)).startswith("One look, at 95%")
     legacy = {"looks": seq["looks"][:3], "max_items": 64, "error_rate_bound": 0.15}  # sequential.json of before
     assert "K x 5% = 15%" in error_statement(legacy)
-    assert look_level({"limit": 8, "max_items": 64}, 16) == pytest.approx(99.186, abs=1e-3)
+    assert look_level({"limit": 8, "max_items": 64}, 16) == pytest.approx(100 * design_of(8, 64).levels[1])
     assert look_level({"limit": 8, "max_items": None}, 8) == 95.0
     assert stages(8, 64) == list(design_of(8, 64).items)

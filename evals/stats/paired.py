@@ -101,11 +101,20 @@ def refine_shape(shape: str, v: np.ndarray) -> str:
     lower). Bounded deltas of which at least half are exactly 0 (both models wrote the same text): "bounded-
     sparse", where a few differing items carry the whole mean and small samples often miss it.
     """
-    if shape == "kld" and v.size > 1 and v.mean() > 0 and v.std(ddof=1) / v.mean() > 0.5:
-        return "kld-heavy"
-    if shape == "bounded" and v.size and np.mean(v == 0) >= 0.5:
-        return "bounded-sparse"
-    return shape
+    v = np.asarray(v, dtype=np.float64)
+    return str(refine_shapes(shape, v[None])[0]) if v.size else shape
+
+
+def refine_shapes(shape: str, v: np.ndarray) -> np.ndarray:
+    """refine_shape of every row of v [runs, n] at once (the coverage harness's simulated samples)."""
+    out = np.full(v.shape[0], shape, dtype=object)
+    if shape == "kld" and v.shape[1] > 1:
+        m = v.mean(1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out[(m > 0) & (v.std(1, ddof=1) / m > 0.5)] = "kld-heavy"
+    if shape == "bounded" and v.shape[1]:
+        out[np.mean(v == 0, axis=1) >= 0.5] = "bounded-sparse"
+    return out
 
 
 def mean_ci(values: Sequence[float], weights: Sequence[float] | None = None, *, seed: int, shape: str = "nll",

@@ -134,10 +134,12 @@ def error_statement(sequential: dict[str, Any]) -> str:
                 f"{0.05 * k:.0%}.")
     k = len(design["planned_items"])
     if k == 1:
-        return f"A decisive gate is wrong with probability at most {sequential['error_rate_bound']:.0%} (one look)."
+        return ("One look, at 95%: each gate's error is its interval's simulated coverage, shown beside it.")
     return (f"A decisive gate is wrong with probability at most {sequential['error_rate_bound']:.0%} over its {k} "
-            f"looks, {design['name']}: each look's intervals are at that look's level and the looks' errors sum "
-            "to the total (Pocock-type, not O'Brien-Fleming, so the first look keeps a level it can decide at).")
+            f"looks, {design['name']}: each look's intervals are at that look's level, the looks spending "
+            f"{design['alpha_spent'][-1]:.0%} nominal between them so that the simulated error, truth on the "
+            "bound, stays within 5% for every gate statistic (qtoolkit/signoff/error_spending.py says why: "
+            "Pocock-type so the first look can still decide, 3% because KLD intervals undercover at these levels).")
 
 
 def reading(gates: list[Any], evals: dict[str, Any] | None, sequential: dict[str, Any] | None) -> list[str]:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from ..evals.stats.paired import confidence_level
-from .error_spending import Design, plan
+from .error_spending import ALPHA, Design, plan
 
 
 @dataclass
@@ -67,4 +67,4 @@ def describe(looks: list[Look], max_items: int | None) -> dict:
     return {"looks": [asdict(x) for x in looks], "max_items": max_items,
             "design": {"name": design.describe(), "planned_items": list(design.items),
                        "levels": [round(c, 6) for c in design.levels], "alpha_spent": list(design.spent)},
-            "error_rate_bound": design.alpha}
+            "error_rate_bound": ALPHA}
