@@ -10,6 +10,9 @@ the misses on each side (a gate reads one side: a miss above the upper bound is 
 calibrated scenarios for each method, and the method stats.py uses there. "kld-heavy" and "bounded-sparse"
 are the shapes stats.py switches to when a sample's item means spread widely (coefficient of variation above
 0.5) or most of its deltas are exactly zero (identical outputs).
+
+`--sequential 8,16,32,64` measures instead the sequential sign-off's overall error over those looks, each at its
+error-spending level (evals/stats/sequential_coverage.py).
 """
 
 from __future__ import annotations
