@@ -11,7 +11,7 @@ from qtoolkit.evals.summary import figure_from_json
 from qtoolkit.commands.signoff import DEFAULT_MAX_ITEMS
 from qtoolkit.signoff.error_spending import ALPHA, SPEND, plan, pocock_spent
 from qtoolkit.signoff.gates import INCONCLUSIVE, PASS, error_statement, judge_quality, reading
-from qtoolkit.signoff.report import look_level
+from qtoolkit.signoff.report import look_level, markdown
 from qtoolkit.signoff.sequential import describe, design_of, draw_until_decisive, stages
 
 
@@ -87,3 +87,16 @@ def test_report_states_the_overall_error_not_k_times_5_percent():
     assert look_level({"limit": 8, "max_items": 64}, 16) == pytest.approx(100 * design_of(8, 64).levels[1])
     assert look_level({"limit": 8, "max_items": None}, 8) == 95.0
     assert stages(8, 64) == list(design_of(8, 64).items)
+
+
+def test_report_markdown_names_each_tasks_level_and_the_overall_error():
+    looks = draw_until_decisive(lambda *a: None, lambda: (["summarization.rougeL_drop"], []), 8, 64, resume=False)
+    seq = describe(looks, 64)
+    fig = paired_delta([0.5, 0.4, 0.6, 0.3] * 4, [0.5, 0.5, 0.6, 0.4] * 4, seed=0, shape="bounded")
+    report = {"config": {"model": "m", "recipe": "r", "limit": 8, "max_items": 64}, "verdict": "INCONCLUSIVE",
+              "policy": {"name": "default"}, "created": "now", "reasons": [], "gates": [], "steps": {},
+              "reading": reading([], None, seq), "eval": {"summarization": {"items": 16, "summary": {"rougeL": fig}}},
+              "inputs": {}, "versions": {}, "machine": {}}
+    md = markdown(report)
+    assert "| 99.51% CI |" in md and "95% CI" not in md
+    assert "wrong with probability at most 5% over its 4 looks" in md and "K x 5%" not in md
