@@ -18,7 +18,7 @@ from .backends.base import Backend
 from .backends.factory import make_backend
 from .registry import make_task, parse_tasks
 from .results import EvalResults, ResultsFile
-from .stats.paired import CONFIDENCE, N_RESAMPLES
+from .stats.paired import N_RESAMPLES, current_confidence
 from .summary import PairedDelta, Rate, TaskSummary, TextStats
 from .task import check_same_vocabulary
 
@@ -98,7 +98,8 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     built = {name: make_task(name, seed=cfg.seed, **cfg.task_options) for name in names}
     store = ResultsFile(cfg.output, overwrite=cfg.overwrite,
                         inputs={"models": identities, "tasks": names, "limit": cfg.limit, "seed": cfg.seed,
-                                "bootstrap": {"resamples": N_RESAMPLES, "confidence": CONFIDENCE,
+                                # the sequential sign-off's look sets the level (qtoolkit/signoff/error_spending.py)
+                                "bootstrap": {"resamples": N_RESAMPLES, "confidence": current_confidence(),
                                               "unit": "item (paired)"}})
     models = _LazyPair(cfg)
     for name in names:

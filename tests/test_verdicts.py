@@ -138,7 +138,8 @@ def test_inconclusive_gate_draws_more_items_up_to_the_budget():
     # later looks resume (finished items are reused) and draw only for the task whose gate is undecided
     assert calls == [(8, True, None), (16, False, ["summarization"]), (32, False, ["summarization"])]
     info = describe(looks, 64)
-    assert [x["items"] for x in info["looks"]] == [8, 16, 32] and info["error_rate_bound"] == pytest.approx(0.15)
+    assert [x["items"] for x in info["looks"]] == [8, 16, 32] and info["error_rate_bound"] == pytest.approx(0.05)
+    assert info["design"]["planned_items"] == [8, 16, 32, 64]
     assert info["looks"][0]["undecided"] == ["summarization.rougeL_drop"]  # sequential.json names gates task.metric
     calls.clear()
     assert len(draw_until_decisive(run, lambda: ([], [Gate("code", "kld_mean", False, "beyond")]), 8, 64, resume=True)) == 1

@@ -10,6 +10,9 @@ the misses on each side (a gate reads one side: a miss above the upper bound is 
 calibrated scenarios for each method, and the method stats.py uses there. "kld-heavy" and "bounded-sparse"
 are the shapes stats.py switches to when a sample's item means spread widely (coefficient of variation above
 0.5) or most of its deltas are exactly zero (identical outputs).
+
+`--sequential 8,16,32,64` measures instead the sequential sign-off's overall error over those looks, each at its
+error-spending level (evals/stats/sequential_coverage.py).
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ import numpy as np
 from scipy.stats import norm
 
 from qtoolkit.progress import bar
+from qtoolkit.signoff.error_spending import ALPHA
 
 from . import intervals as iv
+from . import sequential_coverage
 from .coverage_scenarios import Sample, Scenario
 
 ITEM_SIZES = (3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 32, 40, 64, 80, 164)  # 8, 16, 32, 64: the main job's looks
@@ -71,13 +76,14 @@ METHODS = {"kld": ("token_iid", *_CONTINUOUS), "kld-heavy": ("token_iid", *_CONT
            "rounds": ("percentile", "t")}
 
 
-def interval(method: str, s: Sample, counts: np.ndarray | None) -> iv.Interval:
+def interval(method: str, s: Sample, counts: np.ndarray | None, confidence: float = 0.95) -> iv.Interval:
     if method == "newcombe":
-        return iv.newcombe_paired(s.cand, s.base)
+        return iv.newcombe_paired(s.cand, s.base, confidence)
     if method == "token_iid":
         m, _ = iv.point_and_se(s.v, s.w)
-        return m - norm.ppf(0.975) * s.token_se, m + norm.ppf(0.975) * s.token_se
-    return iv.BOOTSTRAP_METHODS[method](s.v, s.w, counts)
+        z = norm.ppf((1 + confidence) / 2)
+        return m - z * s.token_se, m + z * s.token_se
+    return iv.BOOTSTRAP_METHODS[method](s.v, s.w, counts, confidence)
 
 
 def measure(scenario: Scenario, sizes: Iterable[int], runs: int, resamples: int, seed: int) -> dict[str, Any]:
@@ -147,6 +153,36 @@ def write_table(path: Path, tab: dict[str, Any], command: str) -> None:
                     "TABLE = {\n" + "\n".join(rows) + "\n}\n")
 
 
+def _looks(text: str) -> tuple[int, ...]:
+    try:
+        looks = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of item counts") from None
+    if min(looks) <= 0 or any(b <= a for a, b in zip(looks, looks[1:], strict=False)):
+        raise argparse.ArgumentTypeError(f"{text!r}: looks must be increasing positive item counts, e.g. 8,16,32,64")
+    return looks
+
+
+def write_sequential(a: argparse.Namespace) -> int:
+    """The sequential design's measurement: every scenario at the looks, the summary per gate statistic."""
+    t0 = time.time()
+    results = sequential_coverage.run(SCENARIOS, a.sequential, a.runs, a.resamples, a.seed)
+    alpha = ALPHA
+    tol = sequential_coverage.tolerance(alpha, a.runs)
+    summary = sequential_coverage.summarize(results, alpha, tol)
+    command = (f"python -m qtoolkit.evals.stats.coverage --sequential {','.join(map(str, a.sequential))} --output "
+               f"{a.output} --runs {a.runs} --resamples {a.resamples} --seed {a.seed}")
+    a.output.parent.mkdir(parents=True, exist_ok=True)
+    a.output.write_text(json.dumps({
+        "command": command, "runs": a.runs, "resamples": a.resamples, "seed": a.seed, "looks": list(a.sequential),
+        "alpha": alpha, "tolerance": tol, "seconds": round(time.time() - t0, 1),
+        "bar": "every gate statistic's worst calibrated scenario: wrong decisive <= alpha + tolerance (two Monte "
+               "Carlo standard errors); stress scenarios measured, not held to it",
+        "all_within_bar": all(v["within_bar"] for v in summary.values()), "per_statistic": summary,
+        "scenarios": results}, indent=1) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qtoolkit.evals.stats.coverage", description=__doc__.splitlines()[0])
     p.add_argument("--output", type=Path, required=True, help="JSON file for the measured coverage")
@@ -154,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=4000)
     p.add_argument("--resamples", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sequential", type=_looks, metavar="8,16,32,64",
+                   help="instead: the sequential sign-off's overall error over these looks (qtool signoff's "
+                        "--limit doubling to --max-items), evals/stats/sequential_coverage.py")
     a = p.parse_args(argv)
+    if a.sequential:
+        return write_sequential(a)
     t0 = time.time()
     results = run(a.runs, a.resamples, a.seed)
     tab = table(results)

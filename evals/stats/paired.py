@@ -15,7 +15,9 @@ pass/fail, t on log ratios for rounds), and marks the interval unreliable where 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,26 @@ BOOTSTRAP_NEEDS_COUNTS = {"percentile", "bca", "studentized"}
 
 N_RESAMPLES = 2000
 CONFIDENCE = 0.95
+# the level of the sequential sign-off's current look (qtoolkit/signoff/error_spending.py): every task's summarize
+# computes its intervals through these functions, so the look's level reaches them without threading an argument
+# through each task
+_LEVEL: ContextVar[float] = ContextVar("confidence", default=CONFIDENCE)
+
+
+@contextmanager
+def confidence_level(level: float) -> Iterator[None]:
+    """Intervals computed inside use `level` unless a call names its own."""
+    if not 0 < level < 1:
+        raise ValueError(f"confidence level must be in (0, 1), got {level}")
+    token = _LEVEL.set(level)
+    try:
+        yield
+    finally:
+        _LEVEL.reset(token)
+
+
+def current_confidence() -> float:
+    return _LEVEL.get()
 LABELS = {"studentized": "bootstrap-t (studentized, by item)", "bca": "BCa bootstrap (by item)",
           "t": "Student t (by item)", "percentile": "percentile bootstrap (by item)",
           "newcombe": "Newcombe hybrid score (paired binary)", "rounds": "Student t on log ratios (by round)"}
@@ -53,6 +75,10 @@ class CI:
 def coverage_at(shape: str, n: int, confidence: float = CONFIDENCE) -> tuple[str, float | None, bool]:
     """(method, simulated coverage, reliable) for `shape` at n items: the table row at the largest size <= n.
 
+    The table is simulated at 95%; at another level (a look of the sequential sign-off) the method and its
+    reliability come from the 95% row (a method that holds 95% at this n is trusted at the look's level; the
+    sequential design's overall error is simulated on its own) and the coverage is None: not simulated there.
+
     The table holds every look of the sign-off (8 items doubling to 64), so those read their own row; between rows
     the row below is an approximation (coverage mostly grows with n, but not for paired binary intervals: 0.952
     at 40 items, 0.929 at 64). Below the smallest simulated size nothing is known: marked unreliable.
@@ -64,8 +90,8 @@ def coverage_at(shape: str, n: int, confidence: float = CONFIDENCE) -> tuple[str
         return entry["method"][str(sizes[0])], None, False
     key = str(below[-1])
     method = entry["method"][key]
-    cov = entry["coverage"][method][key] if confidence == CONFIDENCE else None
-    return method, cov, cov is not None and cov >= TARGET
+    cov = entry["coverage"][method][key]
+    return method, cov if confidence == CONFIDENCE else None, cov >= TARGET
 
 
 def refine_shape(shape: str, v: np.ndarray) -> str:
@@ -75,16 +101,27 @@ def refine_shape(shape: str, v: np.ndarray) -> str:
     lower). Bounded deltas of which at least half are exactly 0 (both models wrote the same text): "bounded-
     sparse", where a few differing items carry the whole mean and small samples often miss it.
     """
-    if shape == "kld" and v.size > 1 and v.mean() > 0 and v.std(ddof=1) / v.mean() > 0.5:
-        return "kld-heavy"
-    if shape == "bounded" and v.size and np.mean(v == 0) >= 0.5:
-        return "bounded-sparse"
-    return shape
+    v = np.asarray(v, dtype=np.float64)
+    return str(refine_shapes(shape, v[None])[0]) if v.size else shape
+
+
+def refine_shapes(shape: str, v: np.ndarray) -> np.ndarray:
+    """refine_shape of every row of v [runs, n] at once (the coverage harness's simulated samples)."""
+    out = np.full(v.shape[0], shape, dtype=object)
+    if shape == "kld" and v.shape[1] > 1:
+        m = v.mean(1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out[(m > 0) & (v.std(1, ddof=1) / m > 0.5)] = "kld-heavy"
+    if shape == "bounded" and v.shape[1]:
+        out[np.mean(v == 0, axis=1) >= 0.5] = "bounded-sparse"
+    return out
 
 
 def mean_ci(values: Sequence[float], weights: Sequence[float] | None = None, *, seed: int, shape: str = "nll",
-            n_resamples: int = N_RESAMPLES, confidence: float = CONFIDENCE, method: str | None = None) -> CI:
-    """CI of the (weighted, ratio-of-sums) mean of per-item values, by the method the coverage table picks."""
+            n_resamples: int = N_RESAMPLES, confidence: float | None = None, method: str | None = None) -> CI:
+    """CI of the (weighted, ratio-of-sums) mean of per-item values, by the method the coverage table picks
+    (at `confidence`, else the current look's level)."""
+    confidence = current_confidence() if confidence is None else confidence
     v = np.asarray(values, dtype=np.float64)
     shape = refine_shape(shape, v)
     chosen, cov, ok = coverage_at(shape, int(v.size), confidence)
@@ -104,14 +141,15 @@ def mean_ci(values: Sequence[float], weights: Sequence[float] | None = None, *, 
 
 
 def bootstrap_ci(values: Sequence[float], weights: Sequence[float] | None = None, *, seed: int,
-                 n_resamples: int = N_RESAMPLES, confidence: float = CONFIDENCE,
+                 n_resamples: int = N_RESAMPLES, confidence: float | None = None,
                  method: str | None = None) -> list[float] | None:
     """CI bounds of the (weighted) mean of per-item values; items are resampled whole (see mean_ci)."""
     return mean_ci(values, weights, seed=seed, n_resamples=n_resamples, confidence=confidence, method=method).bounds
 
 
-def binary_delta_ci(candidate: Sequence[float], baseline: Sequence[float], confidence: float = CONFIDENCE) -> CI:
+def binary_delta_ci(candidate: Sequence[float], baseline: Sequence[float], confidence: float | None = None) -> CI:
     """Newcombe's paired interval for a difference of pass rates: never a point, even when all pairs agree."""
+    confidence = current_confidence() if confidence is None else confidence
     c, b = np.asarray(candidate, dtype=bool), np.asarray(baseline, dtype=bool)
     _, cov, ok = coverage_at("binary", int(c.size), confidence)
     if c.size == 0:

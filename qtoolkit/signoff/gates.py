@@ -118,11 +118,29 @@ def overall(verdicts: list[tuple[str, bool]]) -> str:
     return PASS
 
 
-RULE = ("Each gate is judged on its 95% interval: PASS when the end worst for the candidate is within the bound, "
+RULE = ("Each gate is judged on its interval (95% when judged once; a quality gate judged over several looks uses "
+        "each look's own level, below): PASS when the end worst for the candidate is within the bound, "
         "FAIL when the whole interval is beyond it, INCONCLUSIVE when it straddles the bound or the interval "
         "method is unreliable at this many items; NO EVIDENCE when the metric cannot discriminate on this model "
         "(never a PASS). Overall: FAIL if any gate fails, else INCONCLUSIVE if a required gate is inconclusive "
         "or without evidence, else PASS; ERROR when a step failed. Exit codes: 0 PASS, 1 FAIL, 2 ERROR, 3 INCONCLUSIVE.")
+
+
+def error_statement(sequential: dict[str, Any]) -> str:
+    """The overall error of a decisive quality gate over its looks (sequential.json's design)."""
+    design = sequential.get("design")
+    if design is None:  # written before error spending: every look judged a 95% interval
+        k = len(sequential["looks"])
+        return (f"With {k} look(s) at 95% each, a decisive gate is wrong with probability at most K x 5% = "
+                f"{0.05 * k:.0%}.")
+    k = len(design["planned_items"])
+    if k == 1:
+        return ("One look, at 95%: each gate's error is its interval's simulated coverage, shown beside it.")
+    return (f"A decisive gate is wrong with probability at most {sequential['error_rate_bound']:.0%} over its {k} "
+            f"looks, {design['name']}: each look's intervals are at that look's level, the looks spending "
+            f"{design['alpha_spent'][-1]:.0%} nominal between them so that the simulated error, truth on the "
+            "bound, stays within 5% for every gate statistic (qtoolkit/signoff/error_spending.py says why: "
+            "Pocock-type so the first look can still decide, 3% because KLD intervals undercover at these levels).")
 
 
 def reading(gates: list[Any], evals: EvalResults | None, sequential: dict[str, Any] | None) -> list[str]:
@@ -140,8 +158,7 @@ def reading(gates: list[Any], evals: EvalResults | None, sequential: dict[str, A
         sizes = " -> ".join(str(x["items"]) for x in looks)
         notes.append(f"Sample size: {sizes} items over {len(looks)} look(s) (budget --max-items {budget}). While "
                      "a required quality gate is inconclusive and none has failed, the items of the undecided "
-                     "tasks double up to the budget, reusing finished ones; with K looks at 95% each, a decisive "
-                     f"gate is wrong with probability at most K x 5% = {sequential['error_rate_bound']:.0%}.")
+                     "tasks double up to the budget, reusing finished ones. " + error_statement(sequential))
     code = None if evals is None else evals.summary("code")
     iso = None if code is None else code.get("isolation")
     if iso:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from ..io import write_json, write_text
 from .judge import Gate
 from .policy import Policy
 from .report_deployment import deployment_lines
+from .sequential import design_of
 from .verdict import SignoffReport
 
 _STATUS = {True: "PASS", False: "FAIL"}
@@ -180,6 +182,15 @@ def _method_cell(gate: Gate) -> str:
     return f" ({gate.ci_method}{'' if cov is None else f', simulated coverage {cov:.1%}'})"
 
 
+def look_level(cfg: dict[str, Any], items: int | None) -> float:
+    """The confidence level (in %) of the look that drew `items`: the error-spending design of the sign-off's
+    --limit and --max-items (qtoolkit/signoff/error_spending.py); 95 when judged once."""
+    limit = cfg.get("limit")
+    if not limit or not items:
+        return 95.0
+    return 100 * design_of(limit, cfg.get("max_items")).level_at(items)
+
+
 # ---- text ----------------------------------------------------------------------------------------------------
 def markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
@@ -223,7 +234,7 @@ def markdown(report: dict[str, Any]) -> str:
                               f"{r.rounds} rounds of fresh requests (per round: {per}).", ""]
     # the report's eval section has eval.json's layout per task (items, summary)
     evals = EvalResults.from_json({"tasks": report.get("eval") or {}})
-    lines += quality_lines(evals) + custom_regression_lines(evals)
+    lines += quality_lines(evals, lambda items: look_level(cfg, items)) + custom_regression_lines(evals)
     q = report.get("quantize")
     if q:
         t = q["totals"]
@@ -241,15 +252,17 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def quality_lines(evals: EvalResults) -> list[str]:
-    """Per task: each paired delta and token statistic, candidate against baseline with its 95% interval."""
+def quality_lines(evals: EvalResults, level_at: Callable[[int | None], float] = lambda items: 95.0) -> list[str]:
+    """Per task: each paired delta and token statistic, candidate against baseline with its interval at the level
+    of the task's last look (`level_at(items)`, in %)."""
     if not evals.tasks:
         return []
-    lines = ["## Quality per task (candidate vs baseline, paired 95% CI)", ""]
+    lines = ["## Quality per task (candidate vs baseline, paired CI at the level of the task's last look)", ""]
     for task, result in evals.tasks.items():
         s = result.summary or TaskSummary.from_json(None)
         lines.append(f"**{task}** ({result.items} items)")
-        lines += ["", "| metric | candidate | baseline | delta | 95% CI |", "|---|---|---|---|---|"]
+        lines += ["", f"| metric | candidate | baseline | delta | {level_at(result.items):.4g}% CI |",
+                  "|---|---|---|---|---|"]
         for k, d in s.deltas().items():
             lo, hi = d.ci.bounds or (None, None)
             lines.append(f"| {k} | {_fmt(d.candidate)} | {_fmt(d.baseline)} | {_fmt(d.delta)} | "

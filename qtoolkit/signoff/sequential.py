@@ -5,9 +5,9 @@ none has failed, and fewer than `max_items` items were drawn, double the items (
 tasks whose gates are undecided and look again. Items come in the task's fixed order and finished items are
 reused, so a look costs only its new items.
 
-Error rate: every look judges a 95% interval, and looking up to K times gives a gate up to K chances to land
-on the wrong side by chance, so a decisive verdict after K looks carries an error rate of at most K x 5% per
-gate (the union bound), not 5%. The report states K.
+Error rate: looking up to K times gives a gate K chances to land on the wrong side by chance, so the 5% is
+spent across the planned looks (qtoolkit/signoff/error_spending.py): each look's intervals are computed at that
+look's own confidence level, and a decisive gate is wrong with probability at most 5% over all its looks.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..evals.stats.paired import confidence_level
+from .error_spending import ALPHA, Design, plan
 from .judge import Gate
 
 
@@ -24,10 +26,11 @@ class Look:
     items: int
     undecided: list[Gate]  # required quality gates still INCONCLUSIVE / without evidence after this look
     failed: list[Gate]
+    confidence: float = 0.95  # the level this look's intervals were computed at (error_spending.Design)
 
     def to_json(self) -> dict[str, Any]:
         return {"items": self.items, "undecided": [g.name for g in self.undecided],
-                "failed": [g.name for g in self.failed]}
+                "failed": [g.name for g in self.failed], "confidence": self.confidence}
 
 
 def stages(limit: int, max_items: int | None) -> list[int]:
@@ -45,17 +48,29 @@ def draw_until_decisive(run: Callable[[int, bool, list[str] | None], None],
     `judge()` -> (undecided gates, failed gates)."""
     looks: list[Look] = []
     tasks: list[str] | None = None
-    for i, items in enumerate(stages(limit, max_items)):
+    design = design_of(limit, max_items)
+    for i, (items, level) in enumerate(zip(design.items, design.levels, strict=True)):
         if i:
             tasks = sorted({g.task for g in looks[-1].undecided})
-        run(items, not resume and i == 0, tasks)
-        undecided, failed = judge()
-        looks.append(Look(items, undecided, failed))
+        with confidence_level(level):  # every interval this look's eval computes uses the look's level
+            run(items, not resume and i == 0, tasks)
+            undecided, failed = judge()
+        looks.append(Look(items, undecided, failed, level))
         if failed or not undecided:
             break
     return looks
 
 
+def design_of(limit: int, max_items: int | None) -> Design:
+    """The error-spending design over the looks `stages` plans."""
+    return plan(stages(limit, max_items))
+
+
 def describe(looks: list[Look], max_items: int | None) -> dict:
+    """What sequential.json holds: the looks taken and the design that set their levels. The design is planned
+    from the first look's size and the budget, so it is the same whether the draw stopped early or not."""
+    design = design_of(looks[0].items if looks else max_items or 1, max_items)
     return {"looks": [x.to_json() for x in looks], "max_items": max_items,
-            "error_rate_bound": round(0.05 * len(looks), 3)}
+            "design": {"name": design.describe(), "planned_items": list(design.items),
+                       "levels": [round(c, 6) for c in design.levels], "alpha_spent": list(design.spent)},
+            "error_rate_bound": ALPHA}
