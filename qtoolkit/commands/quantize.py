@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.print_recipe:
-        from qtoolkit.quantize.llmc_recipe import dump_llmc
+        from qtoolkit.quantize.llmc_writer import dump_llmc
         from qtoolkit.quantize.recipe import load_recipe
 
         with contextlib.redirect_stdout(sys.stderr):  # llm-compressor's import-time log lines stay off stdout
