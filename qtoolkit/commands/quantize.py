@@ -54,10 +54,10 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         res = quantize(args.model, args.recipe, args.output, calibration=args.calibration,
                        num_samples=args.num_samples, overwrite=args.overwrite, verify=not args.no_verify)
-    t = res.report["totals"]
-    print(json.dumps({"output": str(res.output), "recipe": res.report["recipe"]["name"],
-                      "linear_ratio_vs_bf16": t["linear_ratio_vs_bf16"],
-                      "linear_quantized_bytes": t["linear_quantized_bytes"],
-                      "checkpoint_bytes": t["checkpoint_bytes"], "seconds": res.report["timings"]["total_s"],
-                      "smoke_test": (res.report["smoke_test"] or {}).get("completion")}, indent=2))
+    rep, t = res.report, res.report.totals
+    print(json.dumps({"output": str(res.output), "recipe": rep.recipe.name,
+                      "linear_ratio_vs_bf16": t.linear_ratio_vs_bf16,
+                      "linear_quantized_bytes": t.linear_quantized_bytes,
+                      "checkpoint_bytes": t.checkpoint_bytes, "seconds": rep.timings.total_s,
+                      "smoke_test": rep.smoke_test.completion if rep.smoke_test else None}, indent=2))
     return 0

@@ -25,6 +25,7 @@ from ..io import write_json
 from ..model.sources import resolve_model
 from ..progress import status
 from ..provenance import provenance
+from ..quantize.report import QuantizeReport
 from . import gates as verdicts
 from . import workload as custom_signoff
 from .judge import Gate, evaluate_gates, undecided_and_failed
@@ -60,7 +61,7 @@ def deployments(cfg: SignoffConfig) -> dict[str, Deployment]:
                                  model_id=cfg.baseline_model_id)}
 
 
-def _unmeasurable_gate(g: Gate, evals: dict[str, Any] | None, quant: dict[str, Any] | None) -> str | None:
+def _unmeasurable_gate(g: Gate, evals: dict[str, Any] | None, quant: QuantizeReport | None) -> str | None:
     """Why gate `g` cannot be measured through the endpoints, or None if it was (or should have been)."""
     if g.point is not None:
         return None
@@ -83,9 +84,8 @@ def _unmeasurable_gate(g: Gate, evals: dict[str, Any] | None, quant: dict[str, A
     return None
 
 
-def _checkpoint_report(dep: Deployment) -> dict[str, Any] | None:
-    path = resolve_model(dep.local).path / "quantize_report.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+def _checkpoint_report(dep: Deployment) -> QuantizeReport | None:
+    return QuantizeReport.load(resolve_model(dep.local).path / "quantize_report.json")
 
 
 def signoff_deployments(cfg: SignoffConfig) -> dict[str, Any]:
@@ -167,7 +167,7 @@ def _load(path: Path) -> dict[str, Any] | None:
 
 def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, EndpointInfo],
                       results: dict[str, dict[str, Any]], gates: list[Gate], evals: dict[str, Any] | None,
-                      table: dict[str, Any] | None, quant: dict[str, Any] | None) -> dict[str, Any]:
+                      table: dict[str, Any] | None, quant: QuantizeReport | None) -> dict[str, Any]:
     failed_steps = [n for n in STEPS if results.get(n, {}).get("status") != "ok"]
     failed_gates = [g for g in gates if g.verdict == verdicts.FAIL or (g.verdict != verdicts.PASS and g.required)]
     verdict = (verdicts.ERROR if failed_steps else verdicts.FAIL if not gates
@@ -191,14 +191,14 @@ def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, Endpo
         "reasons": reasons,
         "reading": verdicts.reading(gates, evals, _load(Path(cfg.output) / "sequential.json") if evals else None),
         # the recipe the served checkpoint was made with, as its quantize_report.json says
-        "config": {**asdict(cfg), "recipe": cfg.recipe or ((quant or {}).get("recipe") or {}).get("name")},
+        "config": {**asdict(cfg), "recipe": cfg.recipe or (quant.recipe.name if quant else None)},
         "policy": policy.model_dump(),
         "gates": [asdict(g) for g in gates],
         "steps": {n: {k: v for k, v in results.get(n, {}).items() if k != "key"} for n in STEPS},
         "deployments": {r: asdict(i) for r, i in infos.items()},
         "deployment_bench": table,
         "not_measurable": not_measurable,
-        "quantize": {k: quant[k] for k in ("recipe", "totals", "timings", "smoke_test") if k in quant} if quant else None,
+        "quantize": quant.summary.to_json() if quant else None,
         "eval": {t: {"items": e.get("items"), "summary": e.get("summary")}
                  for t, e in (evals or {}).get("tasks", {}).items()} or None,
         "eval_models": (evals or {}).get("models"),

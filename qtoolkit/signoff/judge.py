@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..evals.summary import RoundsRatio, TaskSummary
+from ..quantize.report import QuantizeReport
 from . import gates as verdicts
 from .policy import METRICS, Policy, metric_figure, read_metric
 
@@ -49,7 +50,7 @@ def undecided_and_failed(policy: Policy, evals: dict[str, Any] | None,
 
 
 def evaluate_gates(policy: Policy, evals: dict[str, Any] | None, ablation: dict[str, Any] | None,
-                   quant: dict[str, Any] | None) -> list[Gate]:
+                   quant: QuantizeReport | None) -> list[Gate]:
     gates: list[Gate] = []
     tasks = (evals or {}).get("tasks", {})
     for task, bounds in policy.tasks.items():
@@ -91,10 +92,11 @@ def evaluate_gates(policy: Policy, evals: dict[str, Any] | None, ablation: dict[
         if lo is not None:
             j = verdicts.with_interval_method(j, rounds.ci.method, rounds.ci.coverage, rounds.ci.reliable, "rounds")
         gates.append(Gate.of(f"throughput.{attr}", j, point, judged))
-    totals = (quant or {}).get("totals", {})
-    for attr, key in (("max_linear_ratio_vs_bf16", "linear_ratio_vs_bf16"), ("max_checkpoint_bytes", "checkpoint_bytes")):
+    t = quant.totals if quant else None
+    for attr, figure in (("max_linear_ratio_vs_bf16", t.linear_ratio_vs_bf16 if t else None),
+                         ("max_checkpoint_bytes", t.checkpoint_bytes if t else None)):
         limit = getattr(policy.memory, attr)
         if limit is not None:
-            j = verdicts.judge_interval(totals.get(key), None, None, max_=limit, min_=None)
-            gates.append(Gate.of(f"memory.{attr}", j, totals.get(key), totals.get(key)))
+            j = verdicts.judge_interval(figure, None, None, max_=limit, min_=None)
+            gates.append(Gate.of(f"memory.{attr}", j, figure, figure))
     return gates
