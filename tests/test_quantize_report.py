@@ -33,6 +33,16 @@ def test_older_report_reads_with_its_figures():
     assert again == raw and list(again) == list(raw)
 
 
+def test_first_format_without_recipe_hash_or_head_reads(tmp_path):
+    raw = json.loads(OLDER.read_text())
+    for key in ("sha256", "head"):  # the first quantize_report.json files had neither
+        del raw["recipe"][key]
+    (tmp_path / "quantize_report.json").write_text(json.dumps(raw))
+    report = QuantizeReport.load(tmp_path / "quantize_report.json")
+    assert report.recipe.sha256 is None and report.recipe.head is None and report.recipe.name == "int4-rtn"
+    assert report.totals == QuantizeReport.load(OLDER).totals
+
+
 def test_summary_is_what_the_signoff_report_keeps():
     report = QuantizeReport.load(OLDER)
     section = json.loads(json.dumps(report.summary.to_json()))  # through JSON, as report.json stores it

@@ -2,7 +2,8 @@
 
 quantize_report.json keeps its layout (`to_json` / `from_json`); the sign-off, its reports and the CLI read fields.
 It lives apart from qtoolkit/quantize/run.py so that reading a report loads neither torch nor llm-compressor.
-Reports written before recipes had a `head` section or a `kv_cache_scheme` lack those keys; they read as None.
+The first reports lack the recipe's `sha256`, `head` and `kv_cache_scheme` (later ones only some): missing, they
+read as None.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class RecipeRecord:
     """The recipe as applied: its identity, and the scheme resolved from presets into explicit arguments."""
 
     name: str
-    sha256: str | None
+    sha256: str | None = None
     description: str = ""
     method: str | None = None
     modifier: str | None = None
