@@ -48,10 +48,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.output:
         raise QToolError("--output is required to quantize: pass --output DIR (or --print-recipe to only print "
                          "the llm-compressor recipe)")
-    from qtoolkit.quantize.run import quantize
-
-    # stdout carries only the JSON summary; llm-compressor (re)configures its logger onto sys.stdout mid-run
+    # stdout carries only the JSON summary. llm-compressor binds its log sink to the sys.stdout of the moment, on
+    # import (which logs already) and again mid-run, so both happen while sys.stdout is stderr
     with contextlib.redirect_stdout(sys.stderr):
+        from qtoolkit.quantize.run import quantize
+
         res = quantize(args.model, args.recipe, args.output, calibration=args.calibration,
                        num_samples=args.num_samples, overwrite=args.overwrite, verify=not args.no_verify)
     rep, t = res.report, res.report.totals
