@@ -27,7 +27,7 @@ from .roofline import measure_bandwidth
 MODEL_SHAPES = {"qkv 960x576": (960, 576), "o 576x576": (576, 576), "gate_up 3072x576": (3072, 576),
                 "down 576x1536": (576, 1536)}
 LARGE_SHAPES = {"4096x4096": (4096, 4096), "4096x11008": (11008, 4096)}
-STREAM_BYTES = 128 << 20  # per path: 4x the 32 MiB L3 of this machine kind
+STREAM_BYTES = 128 << 20  # per path: 4x a 32 MiB L3 (the AVX2 EPYC's), so every pass reads from DRAM
 
 
 @dataclass

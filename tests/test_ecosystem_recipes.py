@@ -11,7 +11,8 @@ from compressed_tensors.quantization import QuantizationArgs
 
 from qtoolkit.cli import main
 from qtoolkit.errors import RecipeError
-from qtoolkit.quantize.llmc_recipe import ARGS_FIELDS, dump_llmc
+from qtoolkit.quantize.llmc_reader import ARGS_FIELDS
+from qtoolkit.quantize.llmc_writer import dump_llmc
 from qtoolkit.quantize.recipe import RECIPE_DIR, Recipe, list_recipes, load_recipe, parse_recipe
 
 CANARY = RECIPE_DIR / "examples" / "int3-canary-llmcompressor.yaml"

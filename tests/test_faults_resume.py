@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from qtoolkit.io import write_json
+from qtoolkit.quantize.report import QuantizeSummary
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +100,7 @@ def run_killed_in(cmd: list[str], out: Path, step: str, delay_s: float, timeout_
 def verdict(out: Path) -> tuple[str, list[str], dict]:
     report = json.loads((out / "report.json").read_text())
     failing = sorted(g["name"] for g in report["gates"] if g["verdict"] == "FAIL")
-    quality = {"eval": report["eval"], "quantize": report["quantize"]["totals"],
+    quality = {"eval": report["eval"], "quantize": QuantizeSummary.from_json(report["quantize"]).totals,
                "gates": {g["name"]: (g["verdict"], g.get("judged")) for g in report["gates"]
                          if not g["name"].startswith("throughput")}}
     return report["verdict"], failing, quality

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from qtoolkit.cli import main
+from qtoolkit.quantize.report import QuantizeReport
 from qtoolkit.quantize.run import quantize
 
 
@@ -47,15 +48,40 @@ def test_int4_rtn_checkpoint_is_compressed_tensors(rtn_dir):
     assert (w["num_bits"], w["group_size"], w["symmetric"]) == (4, 32, True)
     t = _tensors(rtn_dir)
     assert t["model.layers.0.mlp.up_proj.weight_packed"].dtype == torch.int32
-    report = json.loads((rtn_dir / "quantize_report.json").read_text())
-    assert report["schema_version"] == 1 and report["model"]["sha256"]
-    assert report["totals"]["linear_ratio_vs_bf16"] <= 0.30
-    assert report["smoke_test"]["completion"]  # transformers reloaded it and generated
+    report = QuantizeReport.load(rtn_dir / "quantize_report.json")
+    assert report.provenance["schema_version"] == 1 and report.model["sha256"]
+    assert report.totals.linear_ratio_vs_bf16 <= 0.30
+    assert report.smoke_test.completion  # transformers reloaded it and generated
     assert (rtn_dir / "tokenizer.json").is_file() and (rtn_dir / "qtoolkit_recipe.yaml").is_file()
     mask = os.umask(0o022)
     os.umask(mask)
     assert rtn_dir.stat().st_mode & 0o777 == 0o777 & ~mask  # not mkdtemp's 0700
     assert (rtn_dir / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask  # not the temp file's 0600
+
+
+def test_report_round_trips_through_its_type(rtn_dir):
+    """The file quantize writes is exactly what QuantizeReport writes back, key order included."""
+    raw = json.loads((rtn_dir / "quantize_report.json").read_text())
+    report = QuantizeReport.load(rtn_dir / "quantize_report.json")
+    assert report.to_json() == raw and list(report.to_json()) == list(raw)
+    assert QuantizeReport.from_json(json.loads(json.dumps(report.to_json()))) == report
+    assert report.totals.linear_layers == len(report.layers) == 14
+    assert report.totals.linear_quantized_bytes == sum(x.quantized_bytes for x in report.layers)
+    assert report.timings.verify_s is not None and report.output == str(rtn_dir.resolve())
+
+
+def test_cli_summary_is_the_report_s_figures(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "rtn"
+    assert main(["quantize", "--model", str(tiny_model_dir), "--recipe", "int4-rtn", "--output", str(out),
+                 "--no-verify"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    report = QuantizeReport.load(out / "quantize_report.json")
+    assert summary == {"output": str(out), "recipe": "int4-rtn",
+                       "linear_ratio_vs_bf16": report.totals.linear_ratio_vs_bf16,
+                       "linear_quantized_bytes": report.totals.linear_quantized_bytes,
+                       "checkpoint_bytes": report.totals.checkpoint_bytes, "seconds": report.timings.total_s,
+                       "smoke_test": None}
+    assert report.smoke_test is None and "verify_s" not in report.to_json()["timings"]
 
 
 def test_int4_dequantized_within_half_a_step(rtn_dir, tiny_model_dir):
@@ -101,7 +127,7 @@ def test_fp8_dynamic_and_weight_only(tiny_model_dir, tmp_path):
         grp = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
         assert (grp["input_activations"] is not None) == has_act
         assert _tensors(out)["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
-        assert res.report["totals"]["linear_ratio_vs_bf16"] <= 0.52
+        assert res.report.totals.linear_ratio_vs_bf16 <= 0.52
 
 
 def _run_cli(capsys, *args: str) -> tuple[int, str]:
@@ -155,14 +181,14 @@ def test_int8_weight_and_bnb_nf4_peer(tiny_model_dir, tmp_path):
     res = quantize(tiny_model_dir, "int8-weight", tmp_path / "int8", verify=False)
     grp = json.loads((tmp_path / "int8" / "config.json").read_text())["quantization_config"]["config_groups"]
     assert grp["group_0"]["weights"]["num_bits"] == 8 and grp["group_0"]["weights"]["strategy"] == "channel"
-    assert res.report["totals"]["linear_ratio_vs_bf16"] <= 0.55
+    assert res.report.totals.linear_ratio_vs_bf16 <= 0.55
     # the peer: transformers' bitsandbytes NF4 serialization, reloaded and run by transformers
     res = quantize(tiny_model_dir, "bnb-nf4", tmp_path / "nf4")
     cfg = json.loads((tmp_path / "nf4" / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "bitsandbytes" and cfg["bnb_4bit_quant_type"] == "nf4"
     # NF4 is 4 bits + absmax per 64; on 64-wide toy layers bnb's fixed tables (quant maps) add ~0.1
-    assert res.report["totals"]["linear_ratio_vs_bf16"] <= 0.45
-    assert res.report["smoke_test"]["completion"] is not None
+    assert res.report.totals.linear_ratio_vs_bf16 <= 0.45
+    assert res.report.smoke_test is not None
 
 
 HEAD8 = """version: 1
@@ -197,9 +223,9 @@ def test_head_section_quantizes_a_tied_lm_head_on_its_own_grid(tiny_model_dir, t
     assert head is not None and head.dtype in (torch.int8, torch.int32)
     assert t["model.embed_tokens.weight"].dtype == torch.bfloat16  # the lookup table stays full precision
     assert not cfg.get("tie_word_embeddings", False)
-    layers = {x["name"]: x for x in res.report["layers"]}
-    assert layers["lm_head"]["ratio_vs_bf16"] < 0.55  # INT8 + per-channel scales
-    assert res.report["recipe"]["head"]["weights"]["num_bits"] == 8
+    layers = {x.name: x for x in res.report.layers}
+    assert layers["lm_head"].ratio_vs_bf16 < 0.55  # INT8 + per-channel scales
+    assert res.report.recipe.head["weights"]["num_bits"] == 8
 
     engine = Engine(str(out), kv_cache_memory="2MiB", block_size=4)
     assert isinstance(engine.model.lm_head, QuantLinear) and engine.model.lm_head.kind == "int8"

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from qtoolkit.cli import main
+from qtoolkit.quantize.report import QuantizeReport
 
 pytestmark = pytest.mark.slow
 
@@ -22,10 +23,10 @@ def test_default_model_quantizes_and_reloads(recipe, max_ratio, extra, tmp_path,
     assert main(["quantize", "--model", "default", "--recipe", recipe, "--output", str(out), *extra]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["linear_ratio_vs_bf16"] <= max_ratio
-    report = json.loads((out / "quantize_report.json").read_text())
-    assert report["totals"]["linear_layers"] == 210  # 30 layers x 7 projections; lm_head stays tied
+    report = QuantizeReport.load(out / "quantize_report.json")
+    assert report.totals.linear_layers == 210  # 30 layers x 7 projections; lm_head stays tied
     # transformers reloaded the checkpoint and wrote code for the smoke prompt
-    assert "def " in report["smoke_test"]["completion"], report["smoke_test"]
+    assert "def " in report.smoke_test.completion, report.smoke_test
 
 
 def test_group_128_is_refused_for_k_576(tmp_path, capsys):

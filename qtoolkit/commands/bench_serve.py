@@ -17,7 +17,7 @@ Load-test our server (or any OpenAI-compatible server given by --base-url) tier 
 and system, vLLM's `vllm bench serve` fields in its units (mean/median/std/p99_ttft_ms, tpot_ms, itl_ms, e2el_ms,
 output_throughput, request_throughput, total_token_throughput, completed, num_prompts, max_concurrency,
 request_rate) beside qtoolkit's own figures in seconds (ttft_s p50/p99/mean, output_tok_per_s, ...). vLLM's flag
-names are accepted; qtoolkit's earlier names stay as aliases."""
+names are accepted, and qtoolkit's own names as aliases."""
 
 
 EXAMPLES = """\

@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.print_recipe:
-        from qtoolkit.quantize.llmc_recipe import dump_llmc
+        from qtoolkit.quantize.llmc_writer import dump_llmc
         from qtoolkit.quantize.recipe import load_recipe
 
         with contextlib.redirect_stdout(sys.stderr):  # llm-compressor's import-time log lines stay off stdout
@@ -48,16 +48,17 @@ def run(args: argparse.Namespace) -> int:
     if not args.output:
         raise QToolError("--output is required to quantize: pass --output DIR (or --print-recipe to only print "
                          "the llm-compressor recipe)")
-    from qtoolkit.quantize.run import quantize
-
-    # stdout carries only the JSON summary; llm-compressor (re)configures its logger onto sys.stdout mid-run
+    # stdout carries only the JSON summary. llm-compressor binds its log sink to the sys.stdout of the moment, on
+    # import (which logs already) and again mid-run, so both happen while sys.stdout is stderr
     with contextlib.redirect_stdout(sys.stderr):
+        from qtoolkit.quantize.run import quantize
+
         res = quantize(args.model, args.recipe, args.output, calibration=args.calibration,
                        num_samples=args.num_samples, overwrite=args.overwrite, verify=not args.no_verify)
-    t = res.report["totals"]
-    print(json.dumps({"output": str(res.output), "recipe": res.report["recipe"]["name"],
-                      "linear_ratio_vs_bf16": t["linear_ratio_vs_bf16"],
-                      "linear_quantized_bytes": t["linear_quantized_bytes"],
-                      "checkpoint_bytes": t["checkpoint_bytes"], "seconds": res.report["timings"]["total_s"],
-                      "smoke_test": (res.report["smoke_test"] or {}).get("completion")}, indent=2))
+    rep, t = res.report, res.report.totals
+    print(json.dumps({"output": str(res.output), "recipe": rep.recipe.name,
+                      "linear_ratio_vs_bf16": t.linear_ratio_vs_bf16,
+                      "linear_quantized_bytes": t.linear_quantized_bytes,
+                      "checkpoint_bytes": t.checkpoint_bytes, "seconds": rep.timings.total_s,
+                      "smoke_test": rep.smoke_test.completion if rep.smoke_test else None}, indent=2))
     return 0

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model.llama import apply_rope, rope_inv_freq
+from ..model.llama import RMSNorm, apply_rope, rope_inv_freq
 
 
 @dataclass(frozen=True)
@@ -88,16 +88,6 @@ class DraftKV:
         return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-
 class Attention(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -121,10 +111,10 @@ class MLP(nn.Module):
 class MidLayer(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, requires_grad=True)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, requires_grad=True)
         self.self_attn = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, requires_grad=True)
         self.mlp = MLP(c)
 
 
@@ -134,7 +124,7 @@ class Eagle3Head(nn.Module):
         c = self.config = config
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = MidLayer(c)
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, requires_grad=True)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         # target_id = draft_id + d2t[draft_id] (vLLM's offsets); t2d marks target ids the draft can propose
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))

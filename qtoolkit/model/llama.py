@@ -341,10 +341,12 @@ class MLP(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x) * w. The engine loads w and never trains it; the EAGLE-3 draft head trains it (requires_grad)."""
+
+    def __init__(self, dim: int, eps: float, requires_grad: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the same op order as transformers' LlamaRMSNorm, in the activations' dtype

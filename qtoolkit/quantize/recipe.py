@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..errors import RecipeError
 from ..provenance import text_sha256
 from ..yaml_safe import read_yaml_text, safe_compose
-from .llmc_recipe import is_llmc_recipe
-from .llmc_recipe import to_internal as llmc_to_internal
+from .llmc_reader import is_llmc_recipe
+from .llmc_reader import to_internal as llmc_to_internal
 
 # recipes/ installs as the package `qtoolkit.recipes` (also in editable installs): find it through importlib.
 RECIPE_DIR = Path(str(importlib.resources.files("qtoolkit.recipes")))

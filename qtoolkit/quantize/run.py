@@ -29,6 +29,7 @@ from ..progress import bar, status
 from ..provenance import provenance
 from .calibration import calibration_dataset, calibration_texts
 from .recipe import BnbOptions, Recipe, check_against_model, load_recipe
+from .report import LayerBytes, QuantizeReport, QuantizeTotals, RecipeRecord, SmokeTest, Timings
 
 SMOKE_PROMPT = "Write a Python function that returns the largest number in a list."
 
@@ -36,7 +37,7 @@ SMOKE_PROMPT = "Write a Python function that returns the largest number in a lis
 @dataclass
 class QuantizeResult:
     output: Path
-    report: dict[str, Any] = field(repr=False)
+    report: QuantizeReport = field(repr=False)
 
 
 def safetensors_sizes(folder: Path) -> dict[str, int]:
@@ -153,20 +154,47 @@ def _smoke_generate(folder: Path, max_new_tokens: int = 40) -> str:
 
 
 def _layer_bytes(shapes: dict[str, tuple[int, int]], src_sizes: dict[str, int],
-                 out_sizes: dict[str, int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                 out_sizes: dict[str, int]) -> tuple[list[LayerBytes], QuantizeTotals]:
     layers = []
     for name, (n, k) in bar(shapes.items(), desc="layer sizes", unit="layer"):
         after = sum(v for key, v in out_sizes.items() if key.startswith(f"{name}.") and not key.endswith(".bias"))
-        layers.append({"name": name, "shape": [n, k], "bf16_bytes": n * k * 2,
-                       "source_bytes": src_sizes.get(f"{name}.weight", n * k * 4), "quantized_bytes": after,
-                       "ratio_vs_bf16": round(after / (n * k * 2), 4)})
-    bf16 = sum(x["bf16_bytes"] for x in layers)
-    after = sum(x["quantized_bytes"] for x in layers)
-    totals = {"linear_layers": len(layers), "linear_bf16_bytes": bf16,
-              "linear_source_bytes": sum(x["source_bytes"] for x in layers), "linear_quantized_bytes": after,
-              "linear_ratio_vs_bf16": round(after / bf16, 4) if bf16 else None,
-              "checkpoint_bytes": sum(out_sizes.values()), "source_checkpoint_bytes": sum(src_sizes.values())}
-    return layers, totals
+        layers.append(LayerBytes.measured(name, (n, k), src_sizes.get(f"{name}.weight", n * k * 4), after))
+    return layers, QuantizeTotals.of(layers, sum(out_sizes.values()), sum(src_sizes.values()))
+
+
+def _quantized_shapes(mdl, r: Recipe) -> dict[str, tuple[int, int]]:
+    """(out, in) of every Linear the recipe quantizes, checked against the recipe's group sizes."""
+    if r.method == "bnb":
+        import bitsandbytes as bnb
+
+        shapes = {n: (m.out_features, m.in_features) for n, m in mdl.named_modules()
+                  if isinstance(m, bnb.nn.Linear4bit)}
+    else:
+        shapes = _targeted_linears(mdl, r)
+    check_against_model(r, shapes)
+    if r.quantization.head is not None:  # its own group: counted in the byte table, not the group-size check
+        shapes["lm_head"] = (mdl.lm_head.out_features, mdl.lm_head.in_features)
+    return shapes
+
+
+def _apply_recipe(mdl, tok, r: Recipe) -> None:
+    """Run llm-compressor's `oneshot` with the recipe's modifier (and calibration data), in place."""
+    # llm-compressor's loguru sinks are left as the application set them: `qtool` picks their level through
+    # llm-compressor's own LLM_COMPRESSOR_LOG_LEVEL and keeps them off its stdout (see qtoolkit/cli.py)
+    kwargs: dict[str, Any] = {}
+    if r.calibration is not None:
+        c = r.calibration
+        status(f"calibration: {c.num_samples} {c.dataset} samples, up to {c.max_seq_length} tokens")
+        texts = calibration_texts(c.dataset, c.num_samples, tok, c.seed)
+        kwargs = {"dataset": calibration_dataset(texts, tok, c.max_seq_length),
+                  "num_calibration_samples": c.num_samples, "max_seq_length": c.max_seq_length,
+                  "shuffle_calibration_samples": False}
+    try:
+        oneshot(model=mdl, recipe=[_build_modifier(r)], **kwargs)
+    except Exception as e:  # llm-compressor raises plain ValueErrors for scheme/model mismatches
+        raise RecipeError(f"{r.source}: llm-compressor could not apply the recipe ({type(e).__name__}: {e})") \
+            from e
+    _cast_scales(mdl, r)
 
 
 def quantize(model: str | os.PathLike = "default", recipe: str | os.PathLike = "int4-rtn",
@@ -187,36 +215,10 @@ def quantize(model: str | os.PathLike = "default", recipe: str | os.PathLike = "
     t = time.perf_counter()
     mdl, tok = _load_model(src, r)
     timings["load_s"] = time.perf_counter() - t
-    if r.method == "bnb":
-        import bitsandbytes as bnb
-
-        shapes = {n: (m.out_features, m.in_features) for n, m in mdl.named_modules()
-                  if isinstance(m, bnb.nn.Linear4bit)}
-    else:
-        shapes = _targeted_linears(mdl, r)
-    check_against_model(r, shapes)
-    if r.quantization.head is not None:  # its own group: counted in the byte table, not the group-size check
-        shapes["lm_head"] = (mdl.lm_head.out_features, mdl.lm_head.in_features)
-
+    shapes = _quantized_shapes(mdl, r)
     t = time.perf_counter()
-    if r.method != "bnb":
-        # llm-compressor's loguru sinks are left as the application set them: `qtool` picks their level through
-        # llm-compressor's own LLM_COMPRESSOR_LOG_LEVEL and keeps them off its stdout (see qtoolkit/cli.py)
-
-        kwargs: dict[str, Any] = {}
-        if r.calibration is not None:
-            c = r.calibration
-            status(f"calibration: {c.num_samples} {c.dataset} samples, up to {c.max_seq_length} tokens")
-            texts = calibration_texts(c.dataset, c.num_samples, tok, c.seed)
-            kwargs = {"dataset": calibration_dataset(texts, tok, c.max_seq_length),
-                      "num_calibration_samples": c.num_samples, "max_seq_length": c.max_seq_length,
-                      "shuffle_calibration_samples": False}
-        try:
-            oneshot(model=mdl, recipe=[_build_modifier(r)], **kwargs)
-        except Exception as e:  # llm-compressor raises plain ValueErrors for scheme/model mismatches
-            raise RecipeError(f"{r.source}: llm-compressor could not apply the recipe ({type(e).__name__}: {e})") \
-                from e
-        _cast_scales(mdl, r)
+    if r.method != "bnb":  # bitsandbytes quantized the weights as they loaded
+        _apply_recipe(mdl, tok, r)
     timings["quantize_s"] = time.perf_counter() - t
 
     with atomic_dir(output, overwrite=overwrite) as tmp:
@@ -238,30 +240,29 @@ def quantize(model: str | os.PathLike = "default", recipe: str | os.PathLike = "
             timings["verify_s"] = time.perf_counter() - t
         layers, totals = _layer_bytes(shapes, safetensors_sizes(src.path), safetensors_sizes(tmp))
         timings["total_s"] = time.perf_counter() - t0
-        smoke = {"prompt": SMOKE_PROMPT, "completion": sample} if verify else None
+        smoke = SmokeTest(SMOKE_PROMPT, sample) if sample is not None else None
         report = _report(r, src, output, timings, totals, layers, smoke)
-        write_json(tmp / "quantize_report.json", report)
-    status(f"done in {timings['total_s']:.1f}s: linear weights {totals['linear_ratio_vs_bf16']:.3f}x of bf16 "
+        write_json(tmp / "quantize_report.json", report.to_json())
+    status(f"done in {timings['total_s']:.1f}s: linear weights {totals.linear_ratio_vs_bf16:.3f}x of bf16 "
            f"-> {output}")
     return QuantizeResult(output, report)
 
 
-def _report(r: Recipe, src: ModelSource, output: Path, timings: dict[str, float], totals: dict[str, Any],
-            layers: list[dict[str, Any]], smoke: dict[str, Any] | None) -> dict[str, Any]:
+def _recipe_record(r: Recipe) -> RecipeRecord:
+    q = r.quantization
+    return RecipeRecord(name=r.name, sha256=r.sha256, description=r.description, method=r.method,
+                        modifier=q.modifier, scheme=q.scheme, resolved=r.resolved_scheme(), head=r.resolved_head(),
+                        targets=q.targets, ignore=q.ignore,
+                        kv_cache_scheme=q.kv_cache_scheme.model_dump() if q.kv_cache_scheme else None,
+                        calibration=r.calibration.model_dump() if r.calibration else None)
+
+
+def _report(r: Recipe, src: ModelSource, output: Path, timings: dict[str, float], totals: QuantizeTotals,
+            layers: list[LayerBytes], smoke: SmokeTest | None) -> QuantizeReport:
     """quantize_report.json: what was quantized how, bytes per layer before/after, timings, the smoke completion."""
-    return {
-        **provenance(model=src.describe(), recipe={"name": r.name, "path": r.source, "sha256": r.sha256}),
-        "recipe": {"name": r.name, "sha256": r.sha256, "description": r.description, "method": r.method,
-                   "modifier": r.quantization.modifier, "scheme": r.quantization.scheme,
-                   "resolved": r.resolved_scheme(), "head": r.resolved_head(), "targets": r.quantization.targets,
-                   "ignore": r.quantization.ignore,
-                   "kv_cache_scheme": r.quantization.kv_cache_scheme.model_dump()
-                   if r.quantization.kv_cache_scheme else None,
-                   "calibration": r.calibration.model_dump() if r.calibration else None},
-        "model": src.describe(),
-        "output": str(output.resolve()),
-        "timings": {k: round(v, 2) for k, v in timings.items()},
-        "totals": totals,
-        "smoke_test": smoke,
-        "layers": layers,
-    }
+    t = {k: round(v, 2) for k, v in timings.items()}
+    return QuantizeReport(
+        provenance=provenance(model=src.describe(), recipe={"name": r.name, "path": r.source, "sha256": r.sha256}),
+        recipe=_recipe_record(r), model=src.describe(), output=str(output.resolve()),
+        timings=Timings(t["load_s"], t["quantize_s"], t["save_s"], t["total_s"], t.get("verify_s")),
+        totals=totals, smoke_test=smoke, layers=layers)

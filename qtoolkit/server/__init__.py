@@ -59,9 +59,10 @@ def build_engine_off_main_thread(model: Any, config: EngineConfig | None = None)
     """build_engine in a short-lived helper thread, so the main thread never runs an OpenMP parallel region.
 
     The engine steps on the driver's thread. Once the main thread has run a parallel region (loading a model
-    runs many), its idle OpenMP pool makes every parallel region of another thread slow on this 2-vCPU machine:
-    a 3072x576 GEMV took 135 us from the main thread, 190-350 us from a thread after the main thread had run one,
-    and 110-130 us from a thread when it had not; batch-1 decode in the engine thread went from 24 to 37 tok/s.
+    runs many), its idle OpenMP pool makes every parallel region of another thread slow on a 2-core machine:
+    a 3072x576 GEMV takes 135 us from the main thread, 190-350 us from a thread after the main thread has run one,
+    and 110-130 us from a thread when it has not; batch-1 decode in the engine thread runs at 24 tok/s with the
+    main thread's pool alive and at 37 tok/s without it.
     A helper thread's pool goes away with the thread."""
     box: dict[str, Any] = {}
 

@@ -25,6 +25,7 @@ from ..io import write_json
 from ..model.sources import resolve_model
 from ..progress import status
 from ..provenance import provenance
+from ..quantize.report import QuantizeReport
 from . import gates as verdicts
 from . import workload as custom_signoff
 from .judge import Gate, evaluate_gates, undecided_and_failed
@@ -62,7 +63,7 @@ def deployments(cfg: SignoffConfig) -> dict[str, Deployment]:
                                  model_id=cfg.baseline_model_id)}
 
 
-def _unmeasurable_gate(g: Gate, evals: EvalResults | None, quant: dict[str, Any] | None) -> str | None:
+def _unmeasurable_gate(g: Gate, evals: EvalResults | None, quant: QuantizeReport | None) -> str | None:
     """Why gate `g` cannot be measured through the endpoints, or None if it was (or should have been)."""
     if g.point is not None:
         return None
@@ -83,9 +84,8 @@ def _unmeasurable_gate(g: Gate, evals: EvalResults | None, quant: dict[str, Any]
     return None
 
 
-def _checkpoint_report(dep: Deployment) -> dict[str, Any] | None:
-    path = resolve_model(dep.local).path / "quantize_report.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+def _checkpoint_report(dep: Deployment) -> QuantizeReport | None:
+    return QuantizeReport.load(resolve_model(dep.local).path / "quantize_report.json")
 
 
 def signoff_deployments(cfg: SignoffConfig) -> dict[str, Any]:
@@ -158,7 +158,7 @@ def _load(path: Path) -> dict[str, Any] | None:
 
 
 def _judge(cfg: SignoffConfig, policy: Policy, evals: EvalResults | None, table: dict[str, Any] | None,
-           quant: dict[str, Any] | None) -> tuple[list[Gate], list[NotMeasurable]]:
+           quant: QuantizeReport | None) -> tuple[list[Gate], list[NotMeasurable]]:
     """The gates, those the endpoints cannot give marked `not measurable` (INCONCLUSIVE, never passed), and
     what the report lists as not measurable: the engine-only figures, the figures the endpoints could not score,
     and the gates marked outside the quality tasks (whose reasons the scores already give)."""
@@ -178,7 +178,7 @@ def _judge(cfg: SignoffConfig, policy: Policy, evals: EvalResults | None, table:
 
 
 def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, EndpointInfo],
-                      results: dict[str, dict[str, Any]], quant: dict[str, Any] | None) -> dict[str, Any]:
+                      results: dict[str, dict[str, Any]], quant: QuantizeReport | None) -> dict[str, Any]:
     out = Path(cfg.output)
     steps = {n: results.get(n, {}) for n in STEPS}
     evals = EvalResults.load(out / "eval.json") if steps["eval"].get("status") == "ok" else None
@@ -188,7 +188,7 @@ def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, Endpo
     evidence = Evidence(steps, gates, evals, _load(out / "sequential.json"), quant)
     deployment = DeploymentSection({r: asdict(i) for r, i in infos.items()}, table, not_measurable)
     # the recipe the served checkpoint was made with, as its quantize_report.json says
-    config = {**asdict(cfg), "recipe": cfg.recipe or ((quant or {}).get("recipe") or {}).get("name")}
+    config = {**asdict(cfg), "recipe": cfg.recipe or (quant.recipe.name if quant else None)}
     # no gate to judge is a FAIL here: a deployment passes only on what was measured through its endpoints
     report = decide(evidence, config=config, policy=policy, deployment=deployment, without_gates=verdicts.FAIL,
                     provenance=provenance(model={"candidate": cfg.model, "baseline": cfg.baseline or cfg.model},

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..evals.results import EvalResults
 from ..evals.summary import RoundsRatio
+from ..quantize.report import QuantizeReport
 from . import gates as verdicts
 from .policy import METRICS, Policy, metric_figure, read_metric
 
@@ -75,7 +76,7 @@ def undecided_and_failed(policy: Policy, evals: EvalResults | None,
 
 
 def evaluate_gates(policy: Policy, evals: EvalResults | None, ablation: dict[str, Any] | None,
-                   quant: dict[str, Any] | None) -> list[Gate]:
+                   quant: QuantizeReport | None) -> list[Gate]:
     gates: list[Gate] = []
     for task, bounds in policy.tasks.items():
         summary = None if evals is None else evals.summary(task)
@@ -114,10 +115,11 @@ def evaluate_gates(policy: Policy, evals: EvalResults | None, ablation: dict[str
         if lo is not None:
             j = verdicts.with_interval_method(j, rounds.ci.method, rounds.ci.coverage, rounds.ci.reliable, "rounds")
         gates.append(Gate.of("throughput", attr, j, point, judged))
-    totals = (quant or {}).get("totals", {})
-    for attr, key in (("max_linear_ratio_vs_bf16", "linear_ratio_vs_bf16"), ("max_checkpoint_bytes", "checkpoint_bytes")):
+    t = quant.totals if quant else None
+    for attr, figure in (("max_linear_ratio_vs_bf16", t.linear_ratio_vs_bf16 if t else None),
+                         ("max_checkpoint_bytes", t.checkpoint_bytes if t else None)):
         limit = getattr(policy.memory, attr)
         if limit is not None:
-            j = verdicts.judge_interval(totals.get(key), None, None, max_=limit, min_=None)
-            gates.append(Gate.of("memory", attr, j, totals.get(key), totals.get(key)))
+            j = verdicts.judge_interval(figure, None, None, max_=limit, min_=None)
+            gates.append(Gate.of("memory", attr, j, figure, figure))
     return gates

@@ -23,6 +23,7 @@ from ..diagnose.result import DiagnoseResult
 from ..evals.results import EvalResults
 from ..evals.summary import RoundsRatio, TaskSummary
 from ..io import write_json, write_text
+from ..quantize.report import QuantizeSummary
 from .judge import Gate
 from .policy import Policy
 from .report_deployment import deployment_lines
@@ -126,9 +127,10 @@ def plot_memory(report: dict[str, Any]) -> str | None:
     q = report.get("quantize")
     if not q:
         return None
-    t = q["totals"]
-    labels = ["source (fp32)", "bf16", f"{q['recipe']['name']}"]
-    values = [t["linear_source_bytes"] / 2**20, t["linear_bf16_bytes"] / 2**20, t["linear_quantized_bytes"] / 2**20]
+    s = QuantizeSummary.from_json(q)
+    t = s.totals
+    labels = ["source (fp32)", "bf16", f"{s.recipe.name}"]
+    values = [t.linear_source_bytes / 2**20, t.linear_bf16_bytes / 2**20, t.linear_quantized_bytes / 2**20]
     fig = Figure(figsize=(6.5, 2.6))
     ax = fig.subplots()
     bars = ax.barh(labels, values, color=["tab:gray", "tab:blue", "tab:green"])
@@ -237,10 +239,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines += quality_lines(evals, lambda items: look_level(cfg, items)) + custom_regression_lines(evals)
     q = report.get("quantize")
     if q:
-        t = q["totals"]
-        lines += ["## Memory", "", f"Linear weights: {t['linear_quantized_bytes'] / 2**20:.1f} MiB quantized vs "
-                  f"{t['linear_bf16_bytes'] / 2**20:.1f} MiB in bf16 ({t['linear_ratio_vs_bf16']}x); checkpoint "
-                  f"{t['checkpoint_bytes'] / 2**20:.1f} MiB (source {t['source_checkpoint_bytes'] / 2**20:.1f} MiB).", ""]
+        t = QuantizeSummary.from_json(q).totals
+        lines += ["## Memory", "", f"Linear weights: {t.linear_quantized_bytes / 2**20:.1f} MiB quantized vs "
+                  f"{t.linear_bf16_bytes / 2**20:.1f} MiB in bf16 ({t.linear_ratio_vs_bf16}x); checkpoint "
+                  f"{t.checkpoint_bytes / 2**20:.1f} MiB (source {t.source_checkpoint_bytes / 2**20:.1f} MiB).", ""]
     if report.get("diagnose"):
         d = DiagnoseResult.from_json(report["diagnose"])
         lines += ["## Bottleneck", "", f"**{d.bottleneck}** — bandwidth "

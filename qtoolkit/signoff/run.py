@@ -26,6 +26,7 @@ from ..model.llama import ModelConfig
 from ..model.sources import ModelSource, resolve_model
 from ..provenance import provenance
 from ..quantize.recipe import Recipe, load_recipe
+from ..quantize.report import QuantizeReport
 from ..quantize.run import quantize
 from . import workload as custom_signoff
 from .deployment import signoff_deployments
@@ -99,7 +100,7 @@ class _Run:
     out: Path
     runner: StepRunner
     results: dict[str, dict[str, Any]] | None = None
-    quant: dict[str, Any] | None = None
+    quant: QuantizeReport | None = None
     tasks: str = ""
     data: list[dict[str, str]] | None = None  # the workload files' hashes, in the steps' reuse keys
 
@@ -113,10 +114,11 @@ class _Run:
         self.results["quantize"] = self.runner.run(
             "quantize", {"model": source.sha256, "recipe": recipe.sha256}, ckpt / "quantize_report.json",
             lambda: quantize(source.path, cfg.recipe, ckpt, overwrite=True))
-        self.quant = _load(ckpt / "quantize_report.json") if self.results["quantize"]["status"] == "ok" else None
+        self.quant = QuantizeReport.load(ckpt / "quantize_report.json") if self.results["quantize"]["status"] == "ok" \
+            else None
         if self.quant:
             # the candidate is identified by what made it: the source weights and the recipe
-            cand_key = f"{source.sha256}:{self.quant['recipe']['sha256']}"
+            cand_key = f"{source.sha256}:{self.quant.recipe.sha256}"
             self.eval_step(cand_key)
             self.bench_step(cand_key)
         else:
@@ -183,13 +185,14 @@ def _rejudge(cfg: SignoffConfig, policy: Policy, out: Path) -> dict[str, Any]:
     state = runner.state
     runner.lock.release()  # judging again writes only the reports
     results = {n: state.get(n) or {"status": "error", "error": "never ran"} for n in STEPS}
-    quant = _load(out / "checkpoint" / "quantize_report.json") if results["quantize"]["status"] == "ok" else None
-    recipe = (quant or {}).get("recipe") or {"name": cfg.recipe, "sha256": None}
+    ckpt_report = out / "checkpoint" / "quantize_report.json"
+    quant = QuantizeReport.load(ckpt_report) if results["quantize"]["status"] == "ok" else None
+    recipe = quant.recipe.to_json() if quant else {"name": cfg.recipe, "sha256": None}
     return _decide(cfg, policy, recipe, {"spec": cfg.model}, out, results, quant)
 
 
 def _decide(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: dict[str, Any], out: Path,
-            results: dict[str, dict[str, Any]], quant: dict[str, Any] | None) -> dict[str, Any]:
+            results: dict[str, dict[str, Any]], quant: QuantizeReport | None) -> dict[str, Any]:
     steps = {n: results.get(n, {}) for n in STEPS}
     evals = EvalResults.load(out / "eval.json") if steps["eval"].get("status") == "ok" else None
     bench = _load(out / "bench.json") if steps["bench"].get("status") == "ok" else None

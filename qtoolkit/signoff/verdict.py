@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..evals.results import EvalResults
+from ..quantize.report import QuantizeReport
 from . import gates as verdicts
 from .judge import Gate
 from .policy import Policy
@@ -41,7 +42,7 @@ class Evidence:
     gates: list[Gate]
     evals: EvalResults | None = None
     sequential: dict[str, Any] | None = None  # sequential.json: the looks of the eval step
-    quant: dict[str, Any] | None = None  # the candidate's quantize_report.json
+    quant: QuantizeReport | None = None  # the candidate's quantize_report.json
     ablation: dict[str, Any] | None = None
     diagnose: dict[str, Any] | None = None
 
@@ -86,8 +87,8 @@ class SignoffReport:
         return out
 
 
-def _quantize_section(quant: dict[str, Any] | None) -> dict[str, Any] | None:
-    return {k: quant[k] for k in ("recipe", "totals", "timings", "smoke_test") if k in quant} if quant else None
+def _quantize_section(quant: QuantizeReport | None) -> dict[str, Any] | None:
+    return quant.summary.to_json() if quant else None
 
 
 def decide(evidence: Evidence, *, provenance: dict[str, Any], config: dict[str, Any], policy: Policy,

@@ -5,12 +5,12 @@ E(k) / ((1 + k * v) * (1 + k * r)), where E(k) = (1 - a^(k+1)) / (1 - a) is the 
 step emits given the sequence's per-token acceptance a (a moving estimate); v is what each extra verified token
 adds to a plain decode step's time and r the cost of one draft step relative to the verification forward. Both
 are measured by the engine as it runs: r is about 0 for prompt lookup and large for a draft model not much
-cheaper than the target; v starts at 0.125 (measured in an early session: fp32 verification of 4 drafts costs 1.50x a
-1-token step) and rises when other load makes the CPU compute-bound (3.5x for 5 tokens was seen under a load
-average of ~8 on this 2-core machine, where speculation then stops paying). When no k reaches a speedup of `min_gain` the sequence decodes
+cheaper than the target; v starts at 0.125 (fp32 verification of 4 drafts costs 1.50x a 1-token step on an idle
+2-core CPU) and rises when other load makes the CPU compute-bound (5 tokens cost 3.5x a 1-token step under a load
+average of ~8 on 2 cores, where speculation stops paying). When no k reaches a speedup of `min_gain` the sequence decodes
 plainly for a few steps and then probes again with k = 1 (which also refreshes a and r).
 
-v is kept per number of sequences in the step: at batch 1 a draft token added ~0.1 of a plain step on this CPU,
+v is kept per number of sequences in the step: at batch 1 a draft token adds ~0.1 of a plain step on a 2-core CPU,
 at batch 4 ~0.4, so a draft that pays for one stream is switched off at four. A batch size whose plain step has
 not been timed gets one plain step first, and one decode-only step in PLAIN_REFRESH_STEPS stays plain to keep
 that time fresh.
@@ -20,14 +20,14 @@ forward's cost grows with the total number of tokens in the step, so proposals a
 holds at most `max_verify_tokens` tokens. Past that the batch itself keeps the matmuls busy and speculating
 would cost more target compute than the accepted tokens save.
 
-Default 8, from the fp32 cost curve of this CPU (an early session's plain-torch decoder): a step of 1 token
+Default 8, from the fp32 cost curve of a plain-torch decoder on an idle 2-core CPU: a step of 1 token
 costs 55 ms, 5 tokens (4-token verification) 1.50x that, 8 tokens 1.55x, 32 tokens 3.05x. Up to ~8 tokens a
 step is bound by streaming the weights, so drafts ride along nearly free; past it cost grows with tokens and a
 draft token must be accepted with probability above ~0.7 (plus the draft model's own cost) to pay for itself.
 With prompt-lookup acceptance of 0.3-0.5 on chat prompts (measurements/2026-11-30/bench-serve-speculative-*.json) that is a loss, so at 8 or more
-running sequences speculation is off and the engine decodes exactly as without it. A re-measurement of the curve
-on the shared machine (load average ~10 on 2 cores) gave step times of 1-8 s with
-no ordering between 1 and 9 tokens, i.e. noise: the setting stays tunable (`max_verify_tokens`) for a quiet box.
+running sequences speculation is off and the engine decodes exactly as without it. Under a load average of ~10 on
+2 cores step times spread over 1-8 s with no ordering between 1 and 9 tokens, so the curve cannot be taken on a
+shared machine: the setting stays tunable (`max_verify_tokens`) for a quiet box.
 """
 
 from __future__ import annotations
@@ -178,8 +178,8 @@ class SpeculationPolicy:
         `num_seqs` sequences carrying `extra_tokens` drafts in all."""
         if draft_steps <= 0 or verify_seconds <= 0:
             return
-        # a median, not a moving average: a first draft step that pays one-time costs (a server's first request)
-        # measured r ~ 3 and held speculation off for the whole run while probes nudged the average back by 20%
+        # a median, not a moving average: a first draft step pays one-time costs (a server's first request) and
+        # reads r ~ 3, which in a moving average holds speculation off while probes nudge it back 20% at a time
         self._draft_samples.append(proposer_seconds / draft_steps / verify_seconds)
         self.draft_cost = statistics.median(self._draft_samples)
         plain = self._plain_step.get(num_seqs)
