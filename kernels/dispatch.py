@@ -9,7 +9,7 @@ fp8_matmul.py only run the path they are given.
   scales    fp32 [N, K/group_size]; zeros: int8 like scales, or empty (symmetric)
   act       None (weight-only) or "int"/"float": dynamic per-token activation quantization (W8A8, FP8_DYNAMIC)
   bias      tensor or None
-  cpu_gemv  the bound AVX2 INT4 GEMV (bind_cpu_gemv), or None
+  cpu_gemv  the bound CPU INT4 GEMV (bind_cpu_gemv), or None; gemv_args: its tensor arguments (the R8 copy)
 The output has x's dtype and shape [..., N].
 
 CPU thresholds, measured on an AVX2 EPYC (`qtool bench kernels --threads 1`, weights streamed from DRAM):
@@ -21,6 +21,7 @@ CPU thresholds, measured on an AVX2 EPYC (`qtool bench kernels --threads 1`, wei
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,17 +53,26 @@ SGEMM_TRANSPOSED_MAX_M = 64
 TRITON_DECODE_MAX_M = 32
 
 
-def bind_cpu_gemv(layer) -> Callable | None:
-    """The AVX2 INT4 GEMV for a layer that can use it, bound once at load: a decode step makes ~120 of these
-    calls, and finding it per call (buffer lookups through nn.Module.__getattr__) costs ~10 us each."""
+def bind_cpu_gemv(layer) -> tuple[Callable, tuple] | None:
+    """The CPU INT4 GEMV for a layer that can use it and its arguments, bound once at load: a decode step makes
+    ~120 of these calls, and finding them per call (buffer lookups through nn.Module.__getattr__) costs ~10 us
+    each. The kernel reads a row-interleaved copy of the weight (R8, kernels/cpu_kernels.cpp) made here once: the
+    checkpoint layout stays the module's buffer (prefill, GPU, saving), so INT4 weights take twice their bytes in
+    host memory; a decode step reads only the copy. QTOOLKIT_INT4_R8=0 binds the kernel on the checkpoint layout
+    instead (for A/B measurements)."""
     ext = cpu.cpu_kernels()  # looked up through kernels.cpu, where the torch-fallback tests switch it off
     ok = (ext is not None and layer.kind == "int4" and layer.act is None and not layer.qweight.is_cuda
           and cpu.int4_fast_ok(layer.in_features, layer.group_size))
-    return ext.int4_matmul if ok else None
+    if not ok:
+        return None
+    if os.environ.get("QTOOLKIT_INT4_R8", "1") == "0":
+        return ext.int4_matmul, (layer.qweight, layer.scales, layer.zeros, layer.group_size)
+    w, s, z = ext.int4_repack_r8(layer.qweight, layer.scales, layer.zeros, layer.group_size)
+    return ext.int4_matmul_r8, (w, s, z, layer.group_size)
 
 
 # Kernel codes of the fused decode loop (kernels/cpu_decode.cpp): the kernel a Linear takes for a few rows.
-GEMV_DENSE, GEMV_INT4, GEMV_INT8, GEMV_FP8 = 0, 1, 2, 3
+GEMV_DENSE, GEMV_INT4, GEMV_INT8, GEMV_FP8, GEMV_INT4_R8 = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,10 @@ def gemv_spec(layer) -> GemvSpec | None:
     if layer.qweight.is_cuda or cpu.cpu_kernels() is None or (layer.act is not None and engine_ops() is None):
         return None
     act = -1 if layer.act is None else int(layer.act == "float")
+    if kind == "int4" and getattr(layer, "cpu_gemv", None) is not None:  # the GEMV bind_cpu_gemv bound
+        w, s, z, group = layer.gemv_args
+        code = GEMV_INT4_R8 if w.dtype == torch.uint8 else GEMV_INT4
+        return GemvSpec(code, w, s, z, group, bias, INT4_GEMV_MAX_M, act)
     if kind == "int4" and cpu.int4_fast_ok(layer.in_features, layer.group_size):
         return GemvSpec(GEMV_INT4, layer.qweight, layer.scales, layer.zeros, layer.group_size, bias,
                         INT4_GEMV_MAX_M, act)
@@ -152,6 +166,8 @@ def _cpu(x2: torch.Tensor, layer) -> torch.Tensor:
         x2 = _fake_quant_tokens(x2, layer.act)
     zeros = layer.zeros if layer.zeros.numel() else None
     m = x2.shape[0]
+    if layer.cpu_gemv is not None and m <= INT4_GEMV_MAX_M:  # the bound GEMV, as quant_linear's 2-D path takes
+        return layer.cpu_gemv(x2, *layer.gemv_args)
     if layer.kind == "int4":
         return cpu.int4_linear(x2, layer.qweight, layer.scales, zeros, layer.group_size, gemv=m <= INT4_GEMV_MAX_M)
     if layer.kind == "int8":
