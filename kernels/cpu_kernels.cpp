@@ -465,7 +465,10 @@ torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
 // its first N rows, so N = w.size(0) and the storage still holds the padding.
 namespace {
 
-static const int64_t PF = std::getenv("QK_PF") ? std::atoll(std::getenv("QK_PF")) : 4096;
+// Software prefetch distance in bytes of the R8 weight stream (and, scaled, of its scales): streamed from DRAM
+// one core keeps too few misses in flight on its own (default model's layers, 1 thread: ~10 GB/s without,
+// ~15 GB/s at 4 KiB; 512 B-2 KiB gained less, 8 KiB and more lost again).
+constexpr int64_t R8_PREFETCH = 4096;
 struct R8Activations {
   std::vector<int8_t> q;     // [M, K]: per block, per unit u the 4 even elements of 8u..8u+7, then the 4 odd ones
   std::vector<float> d;      // [M, K/32] block scales
@@ -473,7 +476,7 @@ struct R8Activations {
 };
 
 // Per 32-element block: d = amax / 127, q = round-to-nearest-even(x / d) (as quantize_activations does).
-void quantize_r8(const float* x, int64_t M, int64_t K, R8Activations& a) {
+void quantize_r8(const float* x, int64_t M, int64_t K, R8Activations& a, bool nibble_order = true) {
   const int64_t nb = K / 32;
   a.q.resize(M * K);
   a.d.resize(M * nb);
@@ -495,16 +498,22 @@ void quantize_r8(const float* x, int64_t M, int64_t K, R8Activations& a) {
                            _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), inv)));
       int8_t* qb = a.q.data() + m * K + b * 32;
       int sum = 0;
-      for (int u = 0; u < 4; ++u)
-        for (int t = 0; t < 4; ++t) {
-          qb[8 * u + t] = static_cast<int8_t>(v[8 * u + 2 * t]);
-          qb[8 * u + 4 + t] = static_cast<int8_t>(v[8 * u + 2 * t + 1]);
-          sum += v[8 * u + 2 * t] + v[8 * u + 2 * t + 1];
-        }
+      for (int i = 0; i < 32; ++i) {
+        sum += v[i];
+        // nibble order: per unit of 8, the 4 even elements then the 4 odd ones (INT4); else as given (INT8)
+        qb[nibble_order ? (i & ~7) + (i & 1) * 4 + (i & 7) / 2 : i] = static_cast<int8_t>(v[i]);
+      }
       a.d[m * nb + b] = d;
       a.dsum[m * nb + b] = d * static_cast<float>(sum);
     }
   }
+}
+
+// Two cache lines of weights (one block of 8 rows at INT4) and, every other block, one line of scales ahead.
+inline void r8_prefetch(const void* w, const float* s, int64_t b) {
+  _mm_prefetch(static_cast<const char*>(w) + R8_PREFETCH, _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(w) + R8_PREFETCH + 64, _MM_HINT_T0);
+  if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(s) + R8_PREFETCH / 4, _MM_HINT_T0);
 }
 
 inline int32_t load_i32(const int8_t* p) {
@@ -514,12 +523,13 @@ inline int32_t load_i32(const int8_t* p) {
 }
 
 // The float part shared by both instruction sets, in one order so that they agree bit for bit (the integer dot
-// products are exact in both): acc += dot * (s * d_x) + s * (-8 - z) * d_x * sum(x_q).
+// products are exact in both): acc += dot * (s * d_x) + s * (base - z) * d_x * sum(x_q), base -8 for INT4's
+// nibble offset, 0 for INT8.
 struct R8Scales {
   __m256 s, off;  // the 8 rows' scales of the current group, and s * (-8 - z)
-  inline void load(const float* sp, const int8_t* zp) {
+  inline void load(const float* sp, const int8_t* zp, float base = -8.f) {
     s = _mm256_loadu_ps(sp);
-    __m256 o = _mm256_set1_ps(-8.f);
+    __m256 o = _mm256_set1_ps(base);
     if (zp) o = _mm256_sub_ps(o, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(zp)))));
     off = _mm256_mul_ps(s, o);
@@ -553,11 +563,7 @@ inline void int4_r8_group_avx2(const uint8_t* w, const float* s, const int8_t* z
   R8Scales sc;
   for (int64_t b = 0; b < nb; ++b) {
     if (b % bpg == 0) sc.load(s + (b / bpg) * 8, z ? z + (b / bpg) * 8 : nullptr);
-    if (PF) {  // TEMP experiment
-      _mm_prefetch(reinterpret_cast<const char*>(w + b * 128 + PF), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + b * 128 + PF + 64), _MM_HINT_T0);
-      if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(s + b / bpg * 8 + PF / 4), _MM_HINT_T0);
-    }
+    r8_prefetch(w + b * 128, s + b / bpg * 8, b);
     __m256i d16[MB];
     for (int i = 0; i < MB; ++i) d16[i] = _mm256_setzero_si256();
     for (int u = 0; u < 4; ++u) {
@@ -591,11 +597,7 @@ QTOOLKIT_VNNI void int4_r8_group_vnni(const uint8_t* w, const float* s, const in
   R8Scales sc;
   for (int64_t b = 0; b < nb; ++b) {
     if (b % bpg == 0) sc.load(s + (b / bpg) * 8, z ? z + (b / bpg) * 8 : nullptr);
-    if (PF) {  // TEMP experiment
-      _mm_prefetch(reinterpret_cast<const char*>(w + b * 128 + PF), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + b * 128 + PF + 64), _MM_HINT_T0);
-      if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(s + b / bpg * 8 + PF / 4), _MM_HINT_T0);
-    }
+    r8_prefetch(w + b * 128, s + b / bpg * 8, b);
     __m256i lo_acc[MB], hi_acc[MB];
     for (int i = 0; i < MB; ++i) lo_acc[i] = hi_acc[i] = _mm256_setzero_si256();
     for (int u = 0; u < 4; ++u) {
@@ -710,7 +712,144 @@ torch::Tensor int4_matmul_r8(torch::Tensor x, torch::Tensor w, torch::Tensor s, 
   return y;
 }
 
-int64_t int4_r8_isa() { return r8_auto_isa(); }
+
+namespace {
+
+// INT8 weights in R8 (W8A16 layers, the INT8 LM head): 8 rows interleaved in 4-byte units, 8 units per 32-element
+// block: w[((g * nb + b) * 8 + u) * 32 + 4 * r + t] = element 32b + 4u + t of row 8g + r. vpmaddubsw and vpdpbusd
+// need one unsigned operand: |w| times x carrying w's sign (|-128| reads as 128 unsigned).
+template <int MB>
+inline void int8_r8_group_avx2(const int8_t* w, const float* s, const int8_t* z, int64_t K, int64_t bpg,
+                               const R8Activations& a, int64_t m0, float* out, int64_t ldo, int64_t valid) {
+  const int64_t nb = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+  R8Scales sc;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b % bpg == 0) sc.load(s + (b / bpg) * 8, z ? z + (b / bpg) * 8 : nullptr, 0.f);
+    r8_prefetch(w + b * 256, s + b / bpg * 8, b);
+    r8_prefetch(w + b * 256 + 128, s, 1);
+    __m256i d32[MB];
+    for (int i = 0; i < MB; ++i) d32[i] = _mm256_setzero_si256();
+    for (int u = 0; u < 8; ++u) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * 8 + u) * 32));
+      const __m256i wabs = _mm256_sign_epi8(wv, wv);
+      for (int i = 0; i < MB; ++i) {
+        const __m256i xv = _mm256_set1_epi32(load_i32(a.q.data() + (m0 + i) * K + b * 32 + u * 4));
+        d32[i] = _mm256_add_epi32(d32[i], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), ones));
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      acc[i] = r8_accumulate(acc[i], d32[i], sc, a.d[(m0 + i) * nb + b], a.dsum[(m0 + i) * nb + b]);
+  }
+  for (int i = 0; i < MB; ++i) r8_store(out, ldo, i, acc[i], valid);
+}
+
+template <int MB>
+QTOOLKIT_VNNI void int8_r8_group_vnni(const int8_t* w, const float* s, const int8_t* z, int64_t K, int64_t bpg,
+                                      const R8Activations& a, int64_t m0, float* out, int64_t ldo, int64_t valid) {
+  const int64_t nb = K / 32;
+  __m256 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+  R8Scales sc;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b % bpg == 0) sc.load(s + (b / bpg) * 8, z ? z + (b / bpg) * 8 : nullptr, 0.f);
+    r8_prefetch(w + b * 256, s + b / bpg * 8, b);
+    r8_prefetch(w + b * 256 + 128, s, 1);
+    __m256i d32[MB];
+    for (int i = 0; i < MB; ++i) d32[i] = _mm256_setzero_si256();
+    for (int u = 0; u < 8; ++u) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * 8 + u) * 32));
+      const __m256i wabs = _mm256_sign_epi8(wv, wv);
+      for (int i = 0; i < MB; ++i) {
+        const __m256i xv = _mm256_set1_epi32(load_i32(a.q.data() + (m0 + i) * K + b * 32 + u * 4));
+        d32[i] = _mm256_dpbusd_epi32(d32[i], wabs, _mm256_sign_epi8(xv, wv));
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      acc[i] = r8_accumulate(acc[i], d32[i], sc, a.d[(m0 + i) * nb + b], a.dsum[(m0 + i) * nb + b]);
+  }
+  for (int i = 0; i < MB; ++i) r8_store(out, ldo, i, acc[i], valid);
+}
+
+template <int MB>
+inline void int8_r8_group(int64_t isa, const int8_t* w, const float* s, const int8_t* z, int64_t K, int64_t bpg,
+                          const R8Activations& a, int64_t m0, float* out, int64_t ldo, int64_t valid) {
+  if (isa == R8_VNNI) int8_r8_group_vnni<MB>(w, s, z, K, bpg, a, m0, out, ldo, valid);
+  else int8_r8_group_avx2<MB>(w, s, z, K, bpg, a, m0, out, ldo, valid);
+}
+
+}  // namespace
+
+// The R8 copy of an int8 weight [N, K] with group scales [N, K/group]: (w [N, K] int8 view over N8 rows,
+// s [N8/8, G, 8], z [N8/8, G, 8] or empty).
+std::vector<torch::Tensor> int8_repack_r8(torch::Tensor q, torch::Tensor scales, torch::Tensor zeros,
+                                          int64_t group) {
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "w must be contiguous int8 2-D");
+  const int64_t N = q.size(0), K = q.size(1), N8 = (N + 7) / 8 * 8, nb = K / 32;
+  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && K % group == 0, "need K, group % 32 == 0");
+  const int64_t G = K / group;
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N * G,
+              "scales must be contiguous fp32 [N, K/group]");
+  const bool asym = zeros.defined() && zeros.numel();
+  TORCH_CHECK(!asym || (zeros.dtype() == torch::kInt8 && zeros.is_contiguous() && zeros.numel() == N * G),
+              "zeros must be int8 shaped like scales");
+  auto w = torch::zeros({N8, K}, torch::kInt8);
+  auto s = torch::zeros({N8 / 8, G, 8}, torch::kFloat32);
+  auto z = asym ? torch::zeros({N8 / 8, G, 8}, torch::kInt8) : torch::empty({0}, torch::kInt8);
+  const int8_t* src = q.data_ptr<int8_t>();
+  int8_t* dst = w.data_ptr<int8_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t g = n / 8, r = n % 8;
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t u = 0; u < 8; ++u)
+        std::memcpy(dst + ((g * nb + b) * 8 + u) * 32 + 4 * r, src + n * K + 32 * b + 4 * u, 4);
+    for (int64_t j = 0; j < G; ++j) {
+      s.data_ptr<float>()[(g * G + j) * 8 + r] = scales.data_ptr<float>()[n * G + j];
+      if (asym) z.data_ptr<int8_t>()[(g * G + j) * 8 + r] = zeros.data_ptr<int8_t>()[n * G + j];
+    }
+  }
+  return {w.narrow(0, 0, N), s, z};
+}
+
+// y[M, N] = x[M, K] @ dequant(W)^T from the INT8 R8 copy; isa as int4_matmul_r8.
+torch::Tensor int8_matmul_r8(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor z, int64_t group,
+                             int64_t isa) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous fp32 2-D");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), N8 = (N + 7) / 8 * 8;
+  TORCH_CHECK(w.dtype() == torch::kInt8 && w.size(1) == K && K % 32 == 0 && group % 32 == 0 && K % group == 0 &&
+              w.storage().nbytes() >= static_cast<size_t>(w.storage_offset() + N8 * K),
+              "w must be an int8_repack_r8 weight matching x's K");
+  TORCH_CHECK(s.dtype() == torch::kFloat32 && s.numel() == N8 * (K / group), "s must be int8_repack_r8's scales");
+  TORCH_CHECK(z.numel() == 0 || (z.dtype() == torch::kInt8 && z.numel() == s.numel()), "bad zero points");
+  if (isa < 0) isa = r8_auto_isa();
+  TORCH_CHECK(isa == R8_AVX2 || (isa == R8_VNNI && r8_auto_isa() == R8_VNNI), "this CPU cannot run that ISA");
+  static thread_local R8Activations a;
+  quantize_r8(x.data_ptr<float>(), M, K, a, false);
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  const int8_t* zp = z.numel() ? z.data_ptr<int8_t>() : nullptr;
+  float* out = y.data_ptr<float>();
+  const int64_t G = K / group, bpg = group / 32;
+  const R8Activations& acts = a;
+  at::parallel_for(0, N8 / 8, std::max<int64_t>(1, rows_per_task(N, K) / 8), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int8_t* wg = wp + g * 8 * K;
+      const float* sg = sp + g * G * 8;
+      const int8_t* zg = zp ? zp + g * G * 8 : nullptr;
+      const int64_t valid = std::min<int64_t>(8, N - g * 8);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) int8_r8_group<4>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
+      for (; m < M; ++m) int8_r8_group<1>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
+    }
+  });
+  return y;
+}
+
+int64_t r8_isa() { return r8_auto_isa(); }
 
 // kernels/cpu_decode.cpp includes this file to call its ops from C++, with its own module
 #ifndef QTOOLKIT_NO_MODULE
@@ -719,7 +858,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_repack_r8", &int4_repack_r8, "packed INT4 -> row-interleaved R8 copy (w, s, z)");
   m.def("int4_matmul_r8", &int4_matmul_r8, "R8 INT4 x fp32 matmul (AVX2 or AVX-512 VNNI)", py::arg("x"),
         py::arg("w"), py::arg("s"), py::arg("z"), py::arg("group"), py::arg("isa") = -1);
-  m.def("int4_r8_isa", &int4_r8_isa, "the ISA int4_matmul_r8 picks on this CPU: 0 AVX2, 1 AVX-512 VNNI");
+  m.def("int8_repack_r8", &int8_repack_r8, "int8 weight -> row-interleaved R8 copy (w, s, z)");
+  m.def("int8_matmul_r8", &int8_matmul_r8, "R8 INT8 x fp32 matmul (AVX2 or AVX-512 VNNI)", py::arg("x"),
+        py::arg("w"), py::arg("s"), py::arg("z"), py::arg("group"), py::arg("isa") = -1);
+  m.def("r8_isa", &r8_isa, "the ISA the R8 kernels pick on this CPU: 0 AVX2, 1 AVX-512 VNNI");
   m.def("int4_dequantize", &int4_dequantize, "packed INT4 -> fp32 weight", py::arg("packed"), py::arg("scales"),
         py::arg("zeros"), py::arg("group"), py::arg("out") = py::none());
   m.def("int8_matmul", &int8_matmul, "int8 weight x fp32 matmul (AVX2, int8 activation blocks)");
