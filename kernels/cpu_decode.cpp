@@ -10,10 +10,14 @@
 // kernels/dispatch.py (gemv_spec), the one dispatch point; this file only runs what it was given.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <strings.h>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -29,7 +33,7 @@ namespace qe {
 namespace {
 
 // kind codes of kernels/dispatch.py GemvSpec
-constexpr int64_t DENSE = 0, INT4 = 1, INT8 = 2, FP8 = 3;
+constexpr int64_t DENSE = 0, INT4 = 1, INT8 = 2, FP8 = 3, INT4_R8 = 4, INT8_R8 = 5;
 
 struct Linear {
   int64_t kind = DENSE, group = 0, act = -1;  // act: -1 weight-only, 0 int8 / 1 FP8 per-token activations
@@ -39,6 +43,8 @@ struct Linear {
     const torch::Tensor x = act >= 0 ? qe::fake_quant_tokens(in, act == 1) : in;
     torch::Tensor y;
     if (kind == DENSE) y = qe::dense_gemv(x, weight);
+    else if (kind == INT4_R8) y = qk::int4_matmul_r8(x.contiguous(), weight, scales, zeros, group, -1);
+    else if (kind == INT8_R8) y = qk::int8_matmul_r8(x.contiguous(), weight, scales, zeros, group, -1);
     else if (kind == INT4) y = qk::int4_matmul(x.contiguous(), weight, scales, zeros, group);
     else if (kind == INT8) y = qk::int8_matmul(x.contiguous(), weight, scales, zeros, group);
     else y = qk::fp8_matmul(x.contiguous(), weight, scales);

@@ -7,9 +7,13 @@
 // 2b+1 in its high nibble, offset by +8), so no repack is needed: the activations are permuted instead.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <strings.h>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -445,10 +449,419 @@ torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   return y;
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// INT4 GEMV on a row-interleaved copy of the weight ("R8"), repacked once at load by int4_repack_r8.
+//
+// The checkpoint layout keeps each row contiguous, so a kernel reading it ends every row with a horizontal sum
+// and a per-row offset term, and broadcasts each row's scales lane by lane: at K = 576 (9 chunks per row) that
+// per-row work costs about as much as the dot product itself. R8 interleaves 8 rows in 4-byte units, so one
+// 32-byte load holds 4 bytes (8 nibbles) of 8 rows, each 32-bit lane belongs to one row, and the whole kernel is
+// vertical: one int8 activation word broadcast per unit, the block's 8 row scales one load, no horizontal sums,
+// 8 outputs per store. Layout of a group of 8 rows (nb = K/32 blocks, 4 units of 4 bytes per block and row):
+//   w[((g * nb + b) * 4 + u) * 32 + 4 * r + t] = byte 16b + 4u + t of row 8g + r (elements 32b + 8u + 2t, +1)
+//   s[(g * G + j) * 8 + r] = scale of group j of row 8g + r;  z likewise (int8), or empty (symmetric)
+// Rows past N up to a multiple of 8 are zero (scale 0) and never stored. The tensor returned for w is a view of
+// its first N rows, so N = w.size(0) and the storage still holds the padding.
+namespace {
+
+// Software prefetch distance in bytes of the R8 weight stream (and, scaled, of its scales): streamed from DRAM
+// one core keeps too few misses in flight on its own (default model's layers, 1 thread: ~10 GB/s without,
+// ~15 GB/s at 4 KiB; 512 B-2 KiB gained less, 8 KiB and more lost again).
+constexpr int64_t R8_PREFETCH = 4096;
+struct R8Activations {
+  std::vector<int8_t> q;     // [M, K]: per block, per unit u the 4 even elements of 8u..8u+7, then the 4 odd ones
+  std::vector<float> d;      // [M, K/32] block scales
+  std::vector<float> dsum;   // [M, K/32] block scale * sum of the block's int8 values
+};
+
+// Per 32-element block: d = amax / 127, q = round-to-nearest-even(x / d) (as quantize_activations does).
+void quantize_r8(const float* x, int64_t M, int64_t K, R8Activations& a, bool nibble_order = true) {
+  const int64_t nb = K / 32;
+  a.q.resize(M * K);
+  a.d.resize(M * nb);
+  a.dsum.resize(M * nb);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * 32;
+      __m256 mx = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(xb + 8 * i), abs_mask));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float d = _mm_cvtss_f32(h) / 127.f;
+      const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      alignas(32) int32_t v[32];
+      for (int i = 0; i < 4; ++i)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(v + 8 * i),
+                           _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), inv)));
+      int8_t* qb = a.q.data() + m * K + b * 32;
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        sum += v[i];
+        // nibble order: per unit of 8, the 4 even elements then the 4 odd ones (INT4); else as given (INT8)
+        qb[nibble_order ? (i & ~7) + (i & 1) * 4 + (i & 7) / 2 : i] = static_cast<int8_t>(v[i]);
+      }
+      a.d[m * nb + b] = d;
+      a.dsum[m * nb + b] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+// Two cache lines of weights (one block of 8 rows at INT4) and, every other block, one line of scales ahead.
+inline void r8_prefetch(const void* w, const float* s, int64_t b) {
+  _mm_prefetch(static_cast<const char*>(w) + R8_PREFETCH, _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(w) + R8_PREFETCH + 64, _MM_HINT_T0);
+  if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(s) + R8_PREFETCH / 4, _MM_HINT_T0);
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// The float part shared by both instruction sets, in one order so that they agree bit for bit (the integer dot
+// products are exact in both): acc += dot * (s * d_x) + s * (base - z) * d_x * sum(x_q), base -8 for INT4's
+// nibble offset, 0 for INT8.
+struct R8Scales {
+  __m256 s, off;  // the 8 rows' scales of the current group, and s * (-8 - z)
+  inline void load(const float* sp, const int8_t* zp, float base = -8.f) {
+    s = _mm256_loadu_ps(sp);
+    __m256 o = _mm256_set1_ps(base);
+    if (zp) o = _mm256_sub_ps(o, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(zp)))));
+    off = _mm256_mul_ps(s, o);
+  }
+};
+
+inline __m256 r8_accumulate(__m256 acc, __m256i dot, const R8Scales& sc, float d, float dsum) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sc.s, _mm256_set1_ps(d)), acc);
+  return _mm256_fmadd_ps(sc.off, _mm256_set1_ps(dsum), acc);
+}
+
+inline void r8_store(float* out, int64_t ldo, int i, __m256 acc, int64_t valid) {
+  if (valid == 8) {
+    _mm256_storeu_ps(out + i * ldo, acc);
+    return;
+  }
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, acc);
+  for (int64_t r = 0; r < valid; ++r) out[i * ldo + r] = tmp[r];
+}
+
+// One group of 8 weight rows against MB activation rows (AVX2: vpmaddubsw pairs summed in int16 over a block's
+// 8 products per lane pair, at most 8 * 2 * 15 * 127 = 30480, then vpmaddwd to int32).
+template <int MB>
+inline void int4_r8_group_avx2(const uint8_t* w, const float* s, const int8_t* z, int64_t K, int64_t bpg,
+                               const R8Activations& a, int64_t m0, float* out, int64_t ldo, int64_t valid) {
+  const int64_t nb = K / 32;
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+  R8Scales sc;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b % bpg == 0) sc.load(s + (b / bpg) * 8, z ? z + (b / bpg) * 8 : nullptr);
+    r8_prefetch(w + b * 128, s + b / bpg * 8, b);
+    __m256i d16[MB];
+    for (int i = 0; i < MB; ++i) d16[i] = _mm256_setzero_si256();
+    for (int u = 0; u < 4; ++u) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * 4 + u) * 32));
+      const __m256i lo = _mm256_and_si256(wv, mask), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask);
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* xq = a.q.data() + (m0 + i) * K + b * 32 + u * 8;
+        d16[i] = _mm256_add_epi16(d16[i], _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xq))),
+            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xq + 4)))));
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      acc[i] = r8_accumulate(acc[i], _mm256_madd_epi16(d16[i], ones), sc, a.d[(m0 + i) * nb + b],
+                             a.dsum[(m0 + i) * nb + b]);
+  }
+  for (int i = 0; i < MB; ++i) r8_store(out, ldo, i, acc[i], valid);
+}
+
+// The same with AVX-512 VNNI on 256-bit vectors (vpdpbusd: u8 x s8 products summed into int32 lanes in one
+// instruction, where AVX2 needs vpmaddubsw + vpaddw + vpmaddwd). Compiled for that target only; called only when
+// the CPU and OS allow it (r8_isa).
+#define QTOOLKIT_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+template <int MB>
+QTOOLKIT_VNNI void int4_r8_group_vnni(const uint8_t* w, const float* s, const int8_t* z, int64_t K, int64_t bpg,
+                                      const R8Activations& a, int64_t m0, float* out, int64_t ldo, int64_t valid) {
+  const int64_t nb = K / 32;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  __m256 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+  R8Scales sc;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b % bpg == 0) sc.load(s + (b / bpg) * 8, z ? z + (b / bpg) * 8 : nullptr);
+    r8_prefetch(w + b * 128, s + b / bpg * 8, b);
+    __m256i lo_acc[MB], hi_acc[MB];
+    for (int i = 0; i < MB; ++i) lo_acc[i] = hi_acc[i] = _mm256_setzero_si256();
+    for (int u = 0; u < 4; ++u) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * 4 + u) * 32));
+      const __m256i lo = _mm256_and_si256(wv, mask), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask);
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* xq = a.q.data() + (m0 + i) * K + b * 32 + u * 8;
+        lo_acc[i] = _mm256_dpbusd_epi32(lo_acc[i], lo, _mm256_set1_epi32(load_i32(xq)));
+        hi_acc[i] = _mm256_dpbusd_epi32(hi_acc[i], hi, _mm256_set1_epi32(load_i32(xq + 4)));
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      acc[i] = r8_accumulate(acc[i], _mm256_add_epi32(lo_acc[i], hi_acc[i]), sc, a.d[(m0 + i) * nb + b],
+                             a.dsum[(m0 + i) * nb + b]);
+  }
+  for (int i = 0; i < MB; ++i) r8_store(out, ldo, i, acc[i], valid);
+}
+
+constexpr int64_t R8_AVX2 = 0, R8_VNNI = 1;
+
+// The OS saves the AVX-512 state (XCR0 opmask, ZMM_Hi256, Hi16_ZMM): a VM can hide it from a CPU that has it.
+bool os_saves_zmm() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & bit_OSXSAVE)) return false;
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (lo & 0xE6) == 0xE6;
+}
+
+// AVX-512 VNNI where the CPU reports it (with VL and BW) and the OS saves its state, unless ATEN_CPU_CAPABILITY
+// holds torch to AVX2 or less (as it holds torch's own kernels): one switch for both.
+int64_t r8_auto_isa() {
+  static const int64_t isa = [] {
+    __builtin_cpu_init();
+    const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+    const bool capped = cap && (strcasecmp(cap, "default") == 0 || strcasecmp(cap, "avx2") == 0);
+    const bool vnni = !capped && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512bw") && os_saves_zmm();
+    return vnni ? R8_VNNI : R8_AVX2;
+  }();
+  return isa;
+}
+
+template <int MB>
+inline void int4_r8_group(int64_t isa, const uint8_t* w, const float* s, const int8_t* z, int64_t K, int64_t bpg,
+                          const R8Activations& a, int64_t m0, float* out, int64_t ldo, int64_t valid) {
+  if (isa == R8_VNNI) int4_r8_group_vnni<MB>(w, s, z, K, bpg, a, m0, out, ldo, valid);
+  else int4_r8_group_avx2<MB>(w, s, z, K, bpg, a, m0, out, ldo, valid);
+}
+
+}  // namespace
+
+// The R8 copy of a pack-quantized INT4 weight (see above): (w [N, K/2] uint8 view over N8 rows, s [N8/8, G, 8],
+// z [N8/8, G, 8] or empty).
+std::vector<torch::Tensor> int4_repack_r8(torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros,
+                                          int64_t group) {
+  const int64_t N = packed.size(0), K = packed.size(1) * 8;
+  check_int4_args(packed, scales, zeros, K, group);
+  const int64_t N8 = (N + 7) / 8 * 8, nb = K / 32, G = K / group;
+  const bool asym = zeros.defined() && zeros.numel();
+  auto w = torch::zeros({N8, K / 2}, torch::kUInt8);
+  auto s = torch::zeros({N8 / 8, G, 8}, torch::kFloat32);
+  auto z = asym ? torch::zeros({N8 / 8, G, 8}, torch::kInt8) : torch::empty({0}, torch::kInt8);
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(packed.data_ptr<int32_t>());
+  uint8_t* dst = w.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t g = n / 8, r = n % 8;
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t u = 0; u < 4; ++u)
+        std::memcpy(dst + ((g * nb + b) * 4 + u) * 32 + 4 * r, src + n * (K / 2) + 16 * b + 4 * u, 4);
+    for (int64_t j = 0; j < G; ++j) {
+      s.data_ptr<float>()[(g * G + j) * 8 + r] = scales.data_ptr<float>()[n * G + j];
+      if (asym) z.data_ptr<int8_t>()[(g * G + j) * 8 + r] = zeros.data_ptr<int8_t>()[n * G + j];
+    }
+  }
+  return {w.narrow(0, 0, N), s, z};
+}
+
+// y[M, N] = x[M, K] @ dequant(W)^T from the R8 copy; isa -1 picks by CPU (r8_auto_isa), 0 AVX2, 1 AVX-512 VNNI.
+torch::Tensor int4_matmul_r8(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor z, int64_t group,
+                             int64_t isa) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous fp32 2-D");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), N8 = (N + 7) / 8 * 8;
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.size(1) * 2 == K && K % 32 == 0 && group % 32 == 0 &&
+              K % group == 0 && w.storage().nbytes() >= static_cast<size_t>((w.storage_offset() + N8 * K / 2)),
+              "w must be an int4_repack_r8 weight matching x's K");
+  TORCH_CHECK(s.dtype() == torch::kFloat32 && s.numel() == N8 * (K / group), "s must be int4_repack_r8's scales");
+  TORCH_CHECK(z.numel() == 0 || (z.dtype() == torch::kInt8 && z.numel() == s.numel()), "bad zero points");
+  if (isa < 0) isa = r8_auto_isa();
+  TORCH_CHECK(isa == R8_AVX2 || (isa == R8_VNNI && r8_auto_isa() == R8_VNNI), "this CPU cannot run that ISA");
+  static thread_local R8Activations a;  // reused: a decode step makes ~120 of these calls
+  quantize_r8(x.data_ptr<float>(), M, K, a);
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* sp = s.data_ptr<float>();
+  const int8_t* zp = z.numel() ? z.data_ptr<int8_t>() : nullptr;
+  float* out = y.data_ptr<float>();
+  const int64_t G = K / group, bpg = group / 32, groups = N8 / 8;
+  const R8Activations& acts = a;
+  at::parallel_for(0, groups, std::max<int64_t>(1, rows_per_task(N, K) / 8), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* wg = wp + g * 8 * (K / 2);
+      const float* sg = sp + g * G * 8;
+      const int8_t* zg = zp ? zp + g * G * 8 : nullptr;
+      const int64_t valid = std::min<int64_t>(8, N - g * 8);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) int4_r8_group<4>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
+      for (; m + 2 <= M; m += 2) int4_r8_group<2>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
+      for (; m < M; ++m) int4_r8_group<1>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
+    }
+  });
+  return y;
+}
+
+
+namespace {
+
+// INT8 weights in R8 (W8A16 layers, the INT8 LM head): 8 rows interleaved in 4-byte units, 8 units per 32-element
+// block: w[((g * nb + b) * 8 + u) * 32 + 4 * r + t] = element 32b + 4u + t of row 8g + r. vpmaddubsw and vpdpbusd
+// need one unsigned operand: |w| times x carrying w's sign (|-128| reads as 128 unsigned).
+template <int MB>
+inline void int8_r8_group_avx2(const int8_t* w, const float* s, const int8_t* z, int64_t K, int64_t bpg,
+                               const R8Activations& a, int64_t m0, float* out, int64_t ldo, int64_t valid) {
+  const int64_t nb = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+  R8Scales sc;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b % bpg == 0) sc.load(s + (b / bpg) * 8, z ? z + (b / bpg) * 8 : nullptr, 0.f);
+    r8_prefetch(w + b * 256, s + b / bpg * 8, b);
+    r8_prefetch(w + b * 256 + 128, s, 1);
+    __m256i d32[MB];
+    for (int i = 0; i < MB; ++i) d32[i] = _mm256_setzero_si256();
+    for (int u = 0; u < 8; ++u) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * 8 + u) * 32));
+      const __m256i wabs = _mm256_sign_epi8(wv, wv);
+      for (int i = 0; i < MB; ++i) {
+        const __m256i xv = _mm256_set1_epi32(load_i32(a.q.data() + (m0 + i) * K + b * 32 + u * 4));
+        d32[i] = _mm256_add_epi32(d32[i], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), ones));
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      acc[i] = r8_accumulate(acc[i], d32[i], sc, a.d[(m0 + i) * nb + b], a.dsum[(m0 + i) * nb + b]);
+  }
+  for (int i = 0; i < MB; ++i) r8_store(out, ldo, i, acc[i], valid);
+}
+
+template <int MB>
+QTOOLKIT_VNNI void int8_r8_group_vnni(const int8_t* w, const float* s, const int8_t* z, int64_t K, int64_t bpg,
+                                      const R8Activations& a, int64_t m0, float* out, int64_t ldo, int64_t valid) {
+  const int64_t nb = K / 32;
+  __m256 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+  R8Scales sc;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b % bpg == 0) sc.load(s + (b / bpg) * 8, z ? z + (b / bpg) * 8 : nullptr, 0.f);
+    r8_prefetch(w + b * 256, s + b / bpg * 8, b);
+    r8_prefetch(w + b * 256 + 128, s, 1);
+    __m256i d32[MB];
+    for (int i = 0; i < MB; ++i) d32[i] = _mm256_setzero_si256();
+    for (int u = 0; u < 8; ++u) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * 8 + u) * 32));
+      const __m256i wabs = _mm256_sign_epi8(wv, wv);
+      for (int i = 0; i < MB; ++i) {
+        const __m256i xv = _mm256_set1_epi32(load_i32(a.q.data() + (m0 + i) * K + b * 32 + u * 4));
+        d32[i] = _mm256_dpbusd_epi32(d32[i], wabs, _mm256_sign_epi8(xv, wv));
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      acc[i] = r8_accumulate(acc[i], d32[i], sc, a.d[(m0 + i) * nb + b], a.dsum[(m0 + i) * nb + b]);
+  }
+  for (int i = 0; i < MB; ++i) r8_store(out, ldo, i, acc[i], valid);
+}
+
+template <int MB>
+inline void int8_r8_group(int64_t isa, const int8_t* w, const float* s, const int8_t* z, int64_t K, int64_t bpg,
+                          const R8Activations& a, int64_t m0, float* out, int64_t ldo, int64_t valid) {
+  if (isa == R8_VNNI) int8_r8_group_vnni<MB>(w, s, z, K, bpg, a, m0, out, ldo, valid);
+  else int8_r8_group_avx2<MB>(w, s, z, K, bpg, a, m0, out, ldo, valid);
+}
+
+}  // namespace
+
+// The R8 copy of an int8 weight [N, K] with group scales [N, K/group]: (w [N, K] int8 view over N8 rows,
+// s [N8/8, G, 8], z [N8/8, G, 8] or empty).
+std::vector<torch::Tensor> int8_repack_r8(torch::Tensor q, torch::Tensor scales, torch::Tensor zeros,
+                                          int64_t group) {
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "w must be contiguous int8 2-D");
+  const int64_t N = q.size(0), K = q.size(1), N8 = (N + 7) / 8 * 8, nb = K / 32;
+  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && K % group == 0, "need K, group % 32 == 0");
+  const int64_t G = K / group;
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N * G,
+              "scales must be contiguous fp32 [N, K/group]");
+  const bool asym = zeros.defined() && zeros.numel();
+  TORCH_CHECK(!asym || (zeros.dtype() == torch::kInt8 && zeros.is_contiguous() && zeros.numel() == N * G),
+              "zeros must be int8 shaped like scales");
+  auto w = torch::zeros({N8, K}, torch::kInt8);
+  auto s = torch::zeros({N8 / 8, G, 8}, torch::kFloat32);
+  auto z = asym ? torch::zeros({N8 / 8, G, 8}, torch::kInt8) : torch::empty({0}, torch::kInt8);
+  const int8_t* src = q.data_ptr<int8_t>();
+  int8_t* dst = w.data_ptr<int8_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t g = n / 8, r = n % 8;
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t u = 0; u < 8; ++u)
+        std::memcpy(dst + ((g * nb + b) * 8 + u) * 32 + 4 * r, src + n * K + 32 * b + 4 * u, 4);
+    for (int64_t j = 0; j < G; ++j) {
+      s.data_ptr<float>()[(g * G + j) * 8 + r] = scales.data_ptr<float>()[n * G + j];
+      if (asym) z.data_ptr<int8_t>()[(g * G + j) * 8 + r] = zeros.data_ptr<int8_t>()[n * G + j];
+    }
+  }
+  return {w.narrow(0, 0, N), s, z};
+}
+
+// y[M, N] = x[M, K] @ dequant(W)^T from the INT8 R8 copy; isa as int4_matmul_r8.
+torch::Tensor int8_matmul_r8(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor z, int64_t group,
+                             int64_t isa) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous fp32 2-D");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), N8 = (N + 7) / 8 * 8;
+  TORCH_CHECK(w.dtype() == torch::kInt8 && w.size(1) == K && K % 32 == 0 && group % 32 == 0 && K % group == 0 &&
+              w.storage().nbytes() >= static_cast<size_t>(w.storage_offset() + N8 * K),
+              "w must be an int8_repack_r8 weight matching x's K");
+  TORCH_CHECK(s.dtype() == torch::kFloat32 && s.numel() == N8 * (K / group), "s must be int8_repack_r8's scales");
+  TORCH_CHECK(z.numel() == 0 || (z.dtype() == torch::kInt8 && z.numel() == s.numel()), "bad zero points");
+  if (isa < 0) isa = r8_auto_isa();
+  TORCH_CHECK(isa == R8_AVX2 || (isa == R8_VNNI && r8_auto_isa() == R8_VNNI), "this CPU cannot run that ISA");
+  static thread_local R8Activations a;
+  quantize_r8(x.data_ptr<float>(), M, K, a, false);
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  const int8_t* zp = z.numel() ? z.data_ptr<int8_t>() : nullptr;
+  float* out = y.data_ptr<float>();
+  const int64_t G = K / group, bpg = group / 32;
+  const R8Activations& acts = a;
+  at::parallel_for(0, N8 / 8, std::max<int64_t>(1, rows_per_task(N, K) / 8), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int8_t* wg = wp + g * 8 * K;
+      const float* sg = sp + g * G * 8;
+      const int8_t* zg = zp ? zp + g * G * 8 : nullptr;
+      const int64_t valid = std::min<int64_t>(8, N - g * 8);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) int8_r8_group<4>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
+      for (; m < M; ++m) int8_r8_group<1>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
+    }
+  });
+  return y;
+}
+
+int64_t r8_isa() { return r8_auto_isa(); }
+
 // kernels/cpu_decode.cpp includes this file to call its ops from C++, with its own module
 #ifndef QTOOLKIT_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_matmul", &int4_matmul, "packed INT4 x fp32 matmul (AVX2, int8 activation blocks)");
+  m.def("int4_repack_r8", &int4_repack_r8, "packed INT4 -> row-interleaved R8 copy (w, s, z)");
+  m.def("int4_matmul_r8", &int4_matmul_r8, "R8 INT4 x fp32 matmul (AVX2 or AVX-512 VNNI)", py::arg("x"),
+        py::arg("w"), py::arg("s"), py::arg("z"), py::arg("group"), py::arg("isa") = -1);
+  m.def("int8_repack_r8", &int8_repack_r8, "int8 weight -> row-interleaved R8 copy (w, s, z)");
+  m.def("int8_matmul_r8", &int8_matmul_r8, "R8 INT8 x fp32 matmul (AVX2 or AVX-512 VNNI)", py::arg("x"),
+        py::arg("w"), py::arg("s"), py::arg("z"), py::arg("group"), py::arg("isa") = -1);
+  m.def("r8_isa", &r8_isa, "the ISA the R8 kernels pick on this CPU: 0 AVX2, 1 AVX-512 VNNI");
   m.def("int4_dequantize", &int4_dequantize, "packed INT4 -> fp32 weight", py::arg("packed"), py::arg("scales"),
         py::arg("zeros"), py::arg("group"), py::arg("out") = py::none());
   m.def("int8_matmul", &int8_matmul, "int8 weight x fp32 matmul (AVX2, int8 activation blocks)");

@@ -9,7 +9,8 @@ fp8_matmul.py only run the path they are given.
   scales    fp32 [N, K/group_size]; zeros: int8 like scales, or empty (symmetric)
   act       None (weight-only) or "int"/"float": dynamic per-token activation quantization (W8A8, FP8_DYNAMIC)
   bias      tensor or None
-  cpu_gemv  the bound AVX2 INT4 GEMV (bind_cpu_gemv), or None
+  bound_gemv  the CPU GEMV bound at load (bind_cpu_gemv), or None; cpu_gemv, gemv_args, gemv_max_m: its fn,
+            args and max_rows as plain attributes
 The output has x's dtype and shape [..., N].
 
 CPU thresholds, measured on an AVX2 EPYC (`qtool bench kernels --threads 1`, weights streamed from DRAM):
@@ -21,6 +22,7 @@ CPU thresholds, measured on an AVX2 EPYC (`qtool bench kernels --threads 1`, wei
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,17 +54,41 @@ SGEMM_TRANSPOSED_MAX_M = 64
 TRITON_DECODE_MAX_M = 32
 
 
-def bind_cpu_gemv(layer) -> Callable | None:
-    """The AVX2 INT4 GEMV for a layer that can use it, bound once at load: a decode step makes ~120 of these
-    calls, and finding it per call (buffer lookups through nn.Module.__getattr__) costs ~10 us each."""
-    ext = cpu.cpu_kernels()  # looked up through kernels.cpu, where the torch-fallback tests switch it off
-    ok = (ext is not None and layer.kind == "int4" and layer.act is None and not layer.qweight.is_cuda
-          and cpu.int4_fast_ok(layer.in_features, layer.group_size))
-    return ext.int4_matmul if ok else None
-
-
 # Kernel codes of the fused decode loop (kernels/cpu_decode.cpp): the kernel a Linear takes for a few rows.
-GEMV_DENSE, GEMV_INT4, GEMV_INT8, GEMV_FP8 = 0, 1, 2, 3
+GEMV_DENSE, GEMV_INT4, GEMV_INT8, GEMV_FP8, GEMV_INT4_R8, GEMV_INT8_R8 = 0, 1, 2, 3, 4, 5
+
+
+@dataclass(frozen=True)
+class BoundGemv:
+    """A Linear's CPU GEMV bound at load: fn(x, *args) for up to max_rows rows; code: its GEMV_* kernel code."""
+
+    fn: Callable
+    args: tuple
+    max_rows: int
+    code: int
+
+
+def bind_cpu_gemv(layer) -> BoundGemv | None:
+    """The CPU GEMV of a weight-only INT4 or INT8 layer and its arguments, bound once at load: a decode step makes
+    ~120 of these calls, and finding them per call (buffer lookups through nn.Module.__getattr__) costs ~10 us
+    each. The kernels read a row-interleaved copy of the weight (R8, kernels/cpu_kernels.cpp) made here once: the
+    checkpoint layout stays the module's buffer (prefill, GPU, saving), so these weights take twice their bytes
+    in host memory; a decode step reads only the copy. QTOOLKIT_CPU_R8=0 binds the kernels on the checkpoint
+    layout instead (for A/B measurements)."""
+    ext = cpu.cpu_kernels()  # looked up through kernels.cpu, where the torch-fallback tests switch it off
+    if ext is None or layer.act is not None or layer.qweight.is_cuda:
+        return None
+    r8 = os.environ.get("QTOOLKIT_CPU_R8", "1") != "0"
+    args = (layer.qweight, layer.scales, layer.zeros, layer.group_size)
+    if layer.kind == "int4" and cpu.int4_fast_ok(layer.in_features, layer.group_size):
+        if not r8:
+            return BoundGemv(ext.int4_matmul, args, INT4_GEMV_MAX_M, GEMV_INT4)
+        return BoundGemv(ext.int4_matmul_r8, (*ext.int4_repack_r8(*args), layer.group_size), INT4_GEMV_MAX_M,
+                         GEMV_INT4_R8)
+    if layer.kind == "int8" and cpu.int8_fast_ok(layer.in_features, layer.group_size) and r8:
+        return BoundGemv(ext.int8_matmul_r8, (*ext.int8_repack_r8(*args), layer.group_size), GEMV_MAX_M,
+                         GEMV_INT8_R8)
+    return None
 
 
 @dataclass(frozen=True)
@@ -97,6 +123,10 @@ def gemv_spec(layer) -> GemvSpec | None:
     if layer.qweight.is_cuda or cpu.cpu_kernels() is None or (layer.act is not None and engine_ops() is None):
         return None
     act = -1 if layer.act is None else int(layer.act == "float")
+    bound = getattr(layer, "bound_gemv", None)
+    if bound is not None:  # the GEMV bind_cpu_gemv bound at load
+        w, s, z, group = bound.args
+        return GemvSpec(bound.code, w, s, z, group, bias, bound.max_rows, act)
     if kind == "int4" and cpu.int4_fast_ok(layer.in_features, layer.group_size):
         return GemvSpec(GEMV_INT4, layer.qweight, layer.scales, layer.zeros, layer.group_size, bias,
                         INT4_GEMV_MAX_M, act)
@@ -152,6 +182,8 @@ def _cpu(x2: torch.Tensor, layer) -> torch.Tensor:
         x2 = _fake_quant_tokens(x2, layer.act)
     zeros = layer.zeros if layer.zeros.numel() else None
     m = x2.shape[0]
+    if layer.cpu_gemv is not None and m <= layer.gemv_max_m:  # the bound GEMV, as quant_linear's 2-D path takes
+        return layer.cpu_gemv(x2, *layer.gemv_args)
     if layer.kind == "int4":
         return cpu.int4_linear(x2, layer.qweight, layer.scales, zeros, layer.group_size, gemv=m <= INT4_GEMV_MAX_M)
     if layer.kind == "int8":
@@ -183,7 +215,7 @@ def _cuda(x2: torch.Tensor, layer) -> torch.Tensor:
 
 def quant_linear(x: torch.Tensor, layer) -> torch.Tensor:
     gemv = layer.cpu_gemv  # plain attributes: the decode-step path below stays a few attribute reads
-    if (gemv is not None and x.dim() == 2 and x.shape[0] <= INT4_GEMV_MAX_M and x.dtype == torch.float32
+    if (gemv is not None and x.dim() == 2 and x.shape[0] <= layer.gemv_max_m and x.dtype == torch.float32
             and not x.is_cuda):
         y = gemv(x.contiguous(), *layer.gemv_args)
         return y if layer.bias is None else y + layer.bias.to(y.dtype)

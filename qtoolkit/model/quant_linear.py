@@ -1,8 +1,10 @@
 """Linear layers built from one layer's checkpoint tensors: dense, or quantized and kept packed in memory.
 
 Layouts held in memory (chosen once at load, never dequantized to fp32 there):
-- INT4 pack-quantized: the checkpoint's own int32 words [N, K/8] (8 nibbles per word, +8 offset). Both the AVX2
-  kernel and the Triton kernel read it directly, so loading costs nothing and memory is exactly the checkpoint's.
+- INT4 pack-quantized: the checkpoint's own int32 words [N, K/8] (8 nibbles per word, +8 offset), which the
+  Triton kernel, the prefill path and saving read directly. On a CPU the decode GEMV reads a row-interleaved copy
+  made once at load (kernels.dispatch.bind_cpu_gemv), so INT4 weights take twice their bytes in host memory.
+  Weight-only INT8 layers likewise.
 - other int widths (INT8 W8A16/W8A8, INT3/INT2): unpacked once to int8 [N, K]. For 8 bits that is the same byte
   count; for 2-3 bits it trades a little memory for one simple kernel (those schemes are canaries, not products).
 - FP8 E4M3: the checkpoint's float8 [N, K].
@@ -55,10 +57,11 @@ class QuantLinear(nn.Module):
         self._bind_gemv()
 
     def _bind_gemv(self) -> None:
-        """The AVX2 INT4 GEMV and its tensor arguments as plain attributes, which kernels.dispatch reads without
+        """The CPU INT4 GEMV and its tensor arguments as plain attributes, which kernels.dispatch reads without
         nn.Module's buffer lookups."""
-        self.cpu_gemv = dispatch.bind_cpu_gemv(self)
-        self.gemv_args = (self.qweight, self.scales, self.zeros, self.group_size)
+        self.bound_gemv = bound = dispatch.bind_cpu_gemv(self)
+        self.cpu_gemv, self.gemv_args, self.gemv_max_m = (bound.fn, bound.args, bound.max_rows) if bound else (
+            None, (), 0)
 
     def _apply(self, fn, recurse=True):  # .to() / .cuda() replace the buffers: rebind
         out = super()._apply(fn, recurse)
