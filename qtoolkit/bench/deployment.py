@@ -17,8 +17,9 @@ from qtoolkit.evals.stats.paired import ratio_over_rounds
 from ..endpoints.deployment import Deployment, EndpointError, EndpointInfo
 from ..provenance import provenance
 from .load_client import requests_sha256, run_load, summarize, warm_up
-from .loop import fresh_requests, measure_tier, repeat_rounds, requests_per_tier
-from .workloads import build_workload
+from .loop import TierLoop
+from .types import BenchRequest, Workload
+from .workloads import as_workload
 
 ROLES = ("baseline", "candidate")
 
@@ -39,39 +40,27 @@ def _measure(dep: Deployment, info: EndpointInfo, reqs: list[Any], concurrency: 
 
 def bench_deployments(deps: dict[str, Deployment], infos: dict[str, EndpointInfo], *, concurrency: list[int],
                       num_requests: int | None = None, mean_output_tokens: int = 64, max_output_tokens: int = 128,
-                      workload: str = "mixed", seed: int = 0, rounds: int = 1,
+                      workload: str | Workload = "mixed", seed: int = 0, rounds: int = 1,
                       ignore_eos: bool = True) -> dict[str, Any]:
-    sizes = [requests_per_tier(c, num_requests) for c in concurrency]
-    requests = build_workload(workload, sum(sizes), seed=seed, mean_output_tokens=mean_output_tokens,
-                              max_output_tokens=max_output_tokens)
+    """Both endpoints on the same requests, tier by tier, then `rounds` rounds at the top tier."""
     for role in ROLES:  # first requests pay one-off costs (the same warm-up as `qtool bench serve`)
         warm_up(infos[role].url, infos[role].model_id, seed=seed, ignore_eos=ignore_eos, api_key=deps[role].api_key())
 
-    def measure(role: str, reqs: list[Any], c: int, s: int) -> dict[str, Any]:
+    def measure(role: str, reqs: list[BenchRequest], c: int, s: int) -> dict[str, Any]:
         return _measure(deps[role], infos[role], reqs, c, s, ignore_eos)
 
-    tiers, offset = [], 0
-    for t, (c, n) in enumerate(zip(concurrency, sizes, strict=True)):
-        results = measure_tier(ROLES, requests[offset:offset + n], c, t, seed + t, measure)
-        offset += n
-        tiers.append({"concurrency": c, "num_requests": n, "results": results})
-    round_requests: list[Any] = []
-    if rounds > 1:
-        def fresh(k: int) -> list[Any]:
-            reqs = fresh_requests(workload, sizes[-1], requests + round_requests, seed=seed + 100 + k,
-                                  mean_output_tokens=mean_output_tokens, max_output_tokens=max_output_tokens)
-            round_requests.extend(reqs)
-            return reqs
-
-        tiers[-1]["rounds"] = repeat_rounds(ROLES, tiers[-1]["results"], rounds, fresh, concurrency[-1], seed, measure)
+    traffic = as_workload(workload)
+    loop = TierLoop(list(ROLES), measure, traffic, seed, mean_output_tokens, max_output_tokens, rounds)
+    tiers = loop.plan(concurrency, num_requests)
+    loop.run(tiers)
     return {**provenance(candidate=infos["candidate"].url, baseline=infos["baseline"].url,
-                         workload_sha256=requests_sha256(requests),
-                         rounds_workload_sha256=requests_sha256(round_requests)),
-            "config": {"concurrency": concurrency, "num_requests": num_requests, "workload": workload,
+                         workload_sha256=requests_sha256(loop.requests),
+                         rounds_workload_sha256=requests_sha256(loop.round_requests)),
+            "config": {"concurrency": concurrency, "num_requests": num_requests, "workload": traffic.describe(),
                        "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens,
                        "seed": seed, "rounds": rounds, "ignore_eos": ignore_eos, "api": "completions"},
             "endpoints": {r: asdict(infos[r]) for r in ROLES},
-            "tiers": tiers}
+            "tiers": [t.to_json() for t in tiers]}
 
 
 def throughput_table(bench: dict[str, Any]) -> dict[str, Any]:
