@@ -16,6 +16,7 @@ from ..block_manager import BlockManager
 from ..model_runner import ModelRunner
 from ..scheduler import WorkItem
 from ..sequence import Sequence
+from ..speculative_spec import SpeculativeSpec
 from .base import MAX_SPECULATIVE_TOKENS, Proposer
 from .builder import build_proposer
 from .eagle3 import Eagle3Proposer
@@ -52,14 +53,14 @@ class Speculator:
         self.max_model_len = draft.config.max_position_embeddings if draft is not None else 1 << 62
 
     @classmethod
-    def build(cls, spec: str, model, tokenizer, runner: ModelRunner, blocks: BlockManager, *,
+    def build(cls, spec: SpeculativeSpec, model, tokenizer, runner: ModelRunner, blocks: BlockManager, *,
               num_speculative_tokens: int, max_verify_tokens: int, max_num_seqs: int, dtype: str) -> Speculator:
         # a draft's own KV holds what the target's does plus k lookahead slots per running sequence
         extra = max_num_seqs * -(-MAX_SPECULATIVE_TOKENS // blocks.block_size)
         proposer = build_proposer(spec, model, tokenizer, num_blocks=blocks.num_blocks + extra,
                                   block_size=blocks.block_size, dtype=dtype, target_runner=runner)
         return cls(proposer, SpeculationPolicy(num_speculative_tokens, max_verify_tokens),
-                   SpeculativeMetrics(spec, num_speculative_tokens, max_verify_tokens), blocks)
+                   SpeculativeMetrics(str(spec), num_speculative_tokens, max_verify_tokens), blocks)
 
     # -- propose --------------------------------------------------------------------------------------------
     def _cap(self, seq: Sequence, max_model_len: int, spare_tokens: int) -> int:
