@@ -160,9 +160,7 @@ class Engine:
         out = seq.report()
         if self.speculator is None:
             return out
-        usage = self.speculator.usage_of(seq.request_id)
-        return dataclasses.replace(out, num_draft_tokens=usage.drafted, num_accepted_tokens=usage.accepted,
-                                   num_spec_steps=usage.steps)
+        return dataclasses.replace(out, speculative=self.speculator.usage_of(seq.request_id))
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> (propose drafts) -> run -> sample (or verify drafts) -> commit."""
