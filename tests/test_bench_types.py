@@ -170,3 +170,23 @@ def test_a_bad_spec_on_the_command_line_exits_2_before_anything_starts(tmp_path,
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "eagle3:DIR" in err, err
     assert not (tmp_path / "b.json").exists()
+
+
+def test_the_deployment_throughput_table_keeps_its_shape():
+    from qtoolkit.bench.deployment import throughput_table
+
+    def summary(role: str, tps: float) -> dict:
+        return {"endpoint": f"http://{role}", "model_id": "m", "output_tok_per_s": tps, "requests_per_s": 1.0,
+                "completed": 4, "failed": 0, "ttft_s": {"p50": 0.1}, "tpot_s": {"p50": 0.02}}
+
+    tier = {"concurrency": 4, "num_requests": 4, "results": {"baseline": summary("b", 10.0),
+                                                             "candidate": summary("c", 15.0)},
+            "rounds": {"baseline": [10.0, 10.0, 11.0], "candidate": [15.0, 14.0, 16.0]}}
+    table = throughput_table({"tiers": [tier, {**tier, "rounds": None}], "inputs": {"workload_sha256": "x"}})
+    top, plain = table["tiers"][0], table["tiers"][1]
+    assert top["total_speedup"] == pytest.approx(1.5) and top["total_speedup_rounds"]["rounds"] == 3
+    assert "total_speedup_rounds" not in plain and table["workload_sha256"] == "x"
+    assert list(top["endpoints"]) == ["baseline", "candidate"]
+    assert top["endpoints"]["candidate"] == {"endpoint": "http://c", "model_id": "m", "output_tok_per_s": 15.0,
+                                             "requests_per_s": 1.0, "completed": 4, "failed": 0,
+                                             "ttft_p50_s": 0.1, "tpot_p50_s": 0.02}

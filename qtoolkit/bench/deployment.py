@@ -9,7 +9,7 @@ back: the throughput gate judges the spread of the per-round ratios, as it does 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from qtoolkit.evals.stats.paired import ratio_over_rounds
@@ -17,7 +17,7 @@ from qtoolkit.evals.stats.paired import ratio_over_rounds
 from ..endpoints.deployment import Deployment, EndpointError, EndpointInfo
 from ..provenance import provenance
 from .load_client import requests_sha256, run_load, summarize, warm_up
-from .loop import TierLoop
+from .loop import TierLoop, TierRecord
 from .types import BenchRequest, Workload
 from .workloads import as_workload
 
@@ -63,23 +63,58 @@ def bench_deployments(deps: dict[str, Deployment], infos: dict[str, EndpointInfo
             "tiers": [t.to_json() for t in tiers]}
 
 
+@dataclass(frozen=True)
+class EndpointFigures:
+    """One endpoint's figures at one tier, as the throughput table shows them."""
+
+    endpoint: str
+    model_id: str
+    output_tok_per_s: float
+    requests_per_s: float
+    completed: int
+    failed: int
+    ttft_p50_s: float | None
+    tpot_p50_s: float | None
+
+    @classmethod
+    def from_summary(cls, r: dict[str, Any]) -> EndpointFigures:
+        """From a tier result: _measure's summary (load_client.summarize's figures, endpoint and model id)."""
+        return cls(r["endpoint"], r["model_id"], r["output_tok_per_s"], r["requests_per_s"], r["completed"],
+                   r["failed"], r["ttft_s"]["p50"], r["tpot_s"]["p50"])
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ThroughputRow:
+    """Candidate ÷ baseline output tok/s at one tier (and over rounds at the top tier)."""
+
+    concurrency: int
+    num_requests: int
+    endpoints: dict[str, EndpointFigures]  # role -> figures
+    total_speedup: float | None
+    total_speedup_rounds: dict[str, Any] | None = None  # ratio_over_rounds' figures
+
+    @classmethod
+    def from_tier(cls, tier: TierRecord) -> ThroughputRow:
+        c, b = (EndpointFigures.from_summary(tier.results[r]) for r in ("candidate", "baseline"))
+        ok = c.completed and b.completed and not c.failed and not b.failed and b.output_tok_per_s
+        rounds = tier.rounds
+        return cls(tier.concurrency, tier.num_requests, {"baseline": b, "candidate": c},
+                   c.output_tok_per_s / b.output_tok_per_s if ok else None,
+                   ratio_over_rounds(rounds["candidate"], rounds["baseline"]) if ok and rounds else None)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"concurrency": self.concurrency, "num_requests": self.num_requests,
+               "endpoints": {r: self.endpoints[r].to_json() for r in ROLES}, "total_speedup": self.total_speedup}
+        if self.total_speedup_rounds is not None:
+            out["total_speedup_rounds"] = self.total_speedup_rounds
+        return out
+
+
 def throughput_table(bench: dict[str, Any]) -> dict[str, Any]:
     """Per tier: candidate ÷ baseline output tok/s (and over rounds at the top tier), in the shape the throughput
     gate reads: the candidate deployment is the full stack, the baseline deployment what it replaces."""
-    rows = []
-    for tier in bench["tiers"]:
-        res = tier["results"]
-        c, b = res["candidate"], res["baseline"]
-        ok = c["completed"] and b["completed"] and not c["failed"] and not b["failed"] and b["output_tok_per_s"]
-        row = {"concurrency": tier["concurrency"], "num_requests": tier["num_requests"],
-               "endpoints": {r: {"endpoint": res[r]["endpoint"], "model_id": res[r]["model_id"],
-                                 "output_tok_per_s": res[r]["output_tok_per_s"],
-                                 "requests_per_s": res[r]["requests_per_s"], "completed": res[r]["completed"],
-                                 "failed": res[r]["failed"], "ttft_p50_s": res[r]["ttft_s"]["p50"],
-                                 "tpot_p50_s": res[r]["tpot_s"]["p50"]} for r in ROLES},
-               "total_speedup": c["output_tok_per_s"] / b["output_tok_per_s"] if ok else None}
-        rounds = tier.get("rounds")
-        if ok and rounds:
-            row["total_speedup_rounds"] = ratio_over_rounds(rounds["candidate"], rounds["baseline"])
-        rows.append(row)
+    rows = [ThroughputRow.from_tier(TierRecord.from_json(t)).to_json() for t in bench["tiers"]]
     return {"tiers": rows, "workload_sha256": bench["inputs"]["workload_sha256"]}

@@ -23,7 +23,7 @@ from ..provenance import provenance
 from ..server.process import server_process
 from .load_client import normalize_endpoint, requests_sha256, run_load, served_models, summarize, warm_up
 from .loop import Measure, Tier, TierLoop, ratio_rounds
-from .spec_ceiling import prefill_share, scrape_speculative, speculation_ceiling, tier_delta
+from .spec_ceiling import TierSpeculation, prefill_share, scrape_speculative, speculation_ceiling, tier_delta
 from .systems import ENDPOINT, HF, System, serve_systems
 from .types import BenchRequest, Workload
 from .vllm_names import vllm_run_fields
@@ -127,7 +127,8 @@ def _add_ceilings(results: dict[str, Any], systems: list[System], concurrency: i
         res, plain = results.get(s.label), results.get(s.plain.label)
         share = prefill_share(plain) if s.speculative and plain else None
         if res and "speculative_engine" in res and share is not None:
-            res["speculative_ceiling"] = speculation_ceiling(res["speculative_engine"], prefill_share=share,
+            res["speculative_ceiling"] = speculation_ceiling(TierSpeculation.from_json(res["speculative_engine"]),
+                                                             prefill_share=share,
                                                              num_speculative_tokens=num_speculative_tokens)
 
 
@@ -198,7 +199,7 @@ def _measurer(urls: dict[str, str], systems: list[System], model: str, *, rate: 
                                              seed=seed, api=api, ignore_eos=ignore_eos, api_key=api_key))
         summary = summarize(res, duration)
         if label in speculative and (engine := tier_delta(before, scrape_speculative(urls[label], api_key))):
-            summary["speculative_engine"] = engine
+            summary["speculative_engine"] = engine.to_json()
         return summary
 
     return measure
@@ -319,11 +320,12 @@ def format_table(report: dict[str, Any]) -> str:
             over_rounds = tier.get("ratios_rounds", {}).get(k)
             lines.append(f"{'':<16}{k} = {v:.2f}x" + (_rounds_text(over_rounds) if over_rounds else ""))
         for name, r in tier["results"].items():
-            if (e := r.get("speculative_engine")) is not None:
-                lines.append(f"{'':<16}{name}: drafted {e['draft_tokens']}, accepted {e['accepted_tokens']} "
-                             f"(by position {e['acceptance_by_position'][:4]}), proposer {e['proposer_share']:.0%}"
-                             f" of spec time, draft cost r={e['draft_cost_ratio']:.2f}, "
-                             f"verify cost v={e['verify_cost_per_token']:.2f}/token")
+            if (block := r.get("speculative_engine")) is not None:
+                e = TierSpeculation.from_json(block)
+                lines.append(f"{'':<16}{name}: drafted {e.usage.draft_tokens}, accepted {e.usage.accepted_tokens} "
+                             f"(by position {e.acceptance_by_position[:4]}), proposer {e.proposer_share:.0%}"
+                             f" of spec time, draft cost r={e.draft_cost_ratio:.2f}, "
+                             f"verify cost v={e.verify_cost_per_token:.2f}/token")
             if (cl := r.get("speculative_ceiling")) is not None:
                 m, f = cl["measured_acceptance"], cl["full_acceptance"]
                 lines.append(f"{'':<16}{name}: ceiling at these costs {m['request_speedup']:.2f}x "
