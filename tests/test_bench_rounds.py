@@ -17,7 +17,7 @@ def test_systems_are_values_whose_labels_are_the_json_keys():
     systems = serve_systems(["static", "continuous"], ["ngram"])
     assert [s.label for s in systems] == ["static", "static+ngram", "continuous", "continuous+ngram"]
     assert systems[3].plain == System("continuous")
-    assert [k for k, _, _ in _ratio_pairs(systems)] == ["continuous_over_static", "static+ngram_over_static",
+    assert [p.key for p in _ratio_pairs(systems)] == ["continuous_over_static", "static+ngram_over_static",
                                                        "continuous+ngram_over_continuous"]
     assert System("continuous", "ngram", quant="candidate").label == "candidate_continuous_spec"
 

@@ -118,7 +118,7 @@ def test_throughput_gate_names_its_interval_and_an_unreliable_one_decides_nothin
 
 
 def test_extra_rounds_get_prompts_no_earlier_request_had():
-    from qtoolkit.bench.ablation import fresh_requests
+    from qtoolkit.bench.loop import fresh_requests
     from qtoolkit.bench.workloads import build_workload
 
     used = build_workload("mixed", 20, seed=0, mean_output_tokens=8, max_output_tokens=16)

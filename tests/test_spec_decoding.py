@@ -99,7 +99,7 @@ def test_stop_strings_and_max_tokens_inside_an_accepted_run(sharp_dir, reference
 def test_per_request_counters_and_policy_turns_speculation_off_for_big_batches(sharp_dir, reference):
     engine = make(sharp_dir, speculative=f"draft:{sharp_dir}", num_speculative_tokens=4, adaptive=True)
     outs = engine.generate(PROMPTS[:1], greedy_params(1), use_tqdm=False)
-    usage = outs[0].speculative_usage()
+    usage = outs[0].speculative
     assert usage.draft_tokens > 0 and usage.acceptance_rate == 1.0
     before = engine.stats().speculative.draft_tokens
     # 8 sequences decoding at once fill the verification budget: no proposals, plain decoding
@@ -215,8 +215,8 @@ def test_model_draft_skips_long_context_before_a_short_answer(sharp_dir, referen
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     draft = make(sharp_dir, speculative=f"draft:{sharp_dir}", num_speculative_tokens=4)
     out = draft.generate([long_prompt], params, use_tqdm=False)[0]
-    assert out.num_draft_tokens == 0 and len(out.token_ids) == 8
-    assert draft.generate(["def add(a, b):"], params, use_tqdm=False)[0].num_draft_tokens > 0  # short: drafts
+    assert out.speculative.draft_tokens == 0 and len(out.token_ids) == 8
+    assert draft.generate(["def add(a, b):"], params, use_tqdm=False)[0].speculative.draft_tokens > 0  # short: drafts
     assert NgramProposer().catch_up_tokens(Sequence("s", list(range(500)), params)) == 0
 
 
@@ -229,7 +229,7 @@ def test_self_draft_reads_the_target_cache_and_drafts_from_the_first_step(sharp_
     assert isinstance(proposer, SharedKVDraftProposer) and proposer.runner.kv_cache is engine.runner.kv_cache
     long_prompt = " ".join(["the rain fell on the plain"] * 40)  # > 128 tokens: a draft:PATH model skips it
     out = engine.generate([long_prompt], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
-    assert out.num_draft_tokens > 0 and out.num_accepted_tokens == out.num_draft_tokens
+    assert out.speculative.draft_tokens > 0 and out.speculative.accepted_tokens == out.speculative.draft_tokens
     assert engine.stats().kv_blocks_used == 0
     for spec in ("self-int4", "self-fp8"):
         assert isinstance(make(sharp_dir, speculative=spec).proposer, SharedKVDraftProposer), spec

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +22,36 @@ from ..progress import status
 from ..provenance import provenance
 from ..server.process import server_process
 from .load_client import requests_sha256, run_load, served_models, summarize, warm_up
-from .loop import fresh_requests, measure_tier, repeat_rounds, requests_per_tier
+from .loop import TierLoop, TierRecord
 from .systems import System
-from .workload_files import attach_length_probe, describe_workload
-from .workloads import build_workload
+from .types import BenchRequest, Workload
+from .workloads import as_workload
 
-# order = stacking order
-BASE_SYSTEMS: list[System] = [System("static", quant="baseline"), System("continuous", quant="baseline"),
+BASELINE_STATIC = System("static", quant="baseline")
+BASE_SYSTEMS: list[System] = [BASELINE_STATIC, System("continuous", quant="baseline"),
                               System("static", quant="candidate"), System("continuous", quant="candidate")]
-STACK = ["baseline_static", "baseline_continuous", "baseline_continuous_spec", "candidate_continuous_spec"]
-LABELS = {
-    "baseline_static": "baseline (static batching)",
-    "baseline_continuous": "+ continuous batching",
-    "baseline_continuous_spec": "+ speculative decoding",
-    "candidate_continuous_spec": "+ quantization (full stack)",
-}
-# each layer alone over the baseline: (system, name of the layer)
-ALONE = [("baseline_continuous", "continuous batching"), ("baseline_static_spec", "speculative decoding"),
-         ("candidate_static", "quantization")]
+FULL_STACK = System("continuous", "speculative", "candidate")  # stands for whichever proposer the run uses
+FULL_STACK_PLAIN = FULL_STACK.plain  # the top of the stack when the engine offers no speculation
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One row of the ablation: the system that measures it and what the report calls it."""
+
+    system: System
+    label: str
+
+
+# stacking order: each layer on top of the ones before it
+STACK = (Layer(BASELINE_STATIC, "baseline (static batching)"),
+         Layer(System("continuous", quant="baseline"), "+ continuous batching"),
+         Layer(System("continuous", "speculative", "baseline"), "+ speculative decoding"),
+         Layer(FULL_STACK, "+ quantization (full stack)"))
+# each layer alone over the baseline
+ALONE = (Layer(System("continuous", quant="baseline"), "continuous batching"),
+         Layer(System("static", "speculative", "baseline"), "speculative decoding"),
+         Layer(System("static", quant="candidate"), "quantization"))
+QUANTIZATION_ALONE = ALONE[2].system
 
 
 def speculative_systems(speculative: str | None) -> list[System]:
@@ -51,7 +64,7 @@ def speculative_systems(speculative: str | None) -> list[System]:
 
 def full_stack_system(systems: list[str]) -> str:
     """The system the total speedup is read from: quantization on top of every other layer offered."""
-    return "candidate_continuous_spec" if "candidate_continuous_spec" in systems else "candidate_continuous"
+    return FULL_STACK.label if FULL_STACK.label in systems else FULL_STACK_PLAIN.label
 
 
 def _start(stack: contextlib.ExitStack, systems: list[System], models: dict[str, str], engine: EngineConfig,
@@ -60,7 +73,7 @@ def _start(stack: contextlib.ExitStack, systems: list[System], models: dict[str,
     urls = {}
     for system in systems:
         status(f"starting server {system.label}")
-        url = stack.enter_context(server_process(models[system.quant], system.engine_config(engine)))
+        url = stack.enter_context(server_process(models[str(system.quant)], system.engine_config(engine)))
         served = asyncio.run(served_models(url))[0]
         warm_up(url, served, seed=seed)
         urls[system.label] = (url, served)
@@ -69,7 +82,7 @@ def _start(stack: contextlib.ExitStack, systems: list[System], models: dict[str,
 
 def bench_ablation(baseline: str | Path, candidate: str | Path, engine: EngineConfig | None = None, *,
                    concurrency: list[int], num_requests: int | None = None, mean_output_tokens: int = 48,
-                   max_output_tokens: int = 96, workload: Any = "mixed", seed: int = 0, rounds: int = 1,
+                   max_output_tokens: int = 96, workload: str | Workload = "mixed", seed: int = 0, rounds: int = 1,
                    repeat: tuple[str, ...] = ("baseline_static", "full_stack")) -> dict[str, Any]:
     """Every system on the same requests, tier by tier, alternating the order between tiers.
 
@@ -81,76 +94,128 @@ def bench_ablation(baseline: str | Path, candidate: str | Path, engine: EngineCo
     engine = (engine or EngineConfig()).replace(max_num_seqs=max(concurrency))
     systems = BASE_SYSTEMS + speculative_systems(engine.speculative)
     models = {"baseline": str(baseline), "candidate": str(candidate)}
-    sizes = [requests_per_tier(c, num_requests) for c in concurrency]
-    tiers, round_requests = [], []
+    traffic = as_workload(workload)
     with contextlib.ExitStack() as stack:
         urls = _start(stack, systems, models, engine, seed)
 
-        def measure(label: str, reqs: list[Any], c: int, s: int) -> dict[str, Any]:
+        def measure(label: str, reqs: list[BenchRequest], c: int, s: int) -> dict[str, Any]:
             res, duration = asyncio.run(run_load(*urls[label], reqs, concurrency=c, seed=s))
             return summarize(res, duration)
 
         # a workload file's lines without max_tokens: the baseline's answer lengths (workload_files.py)
-        attach_length_probe(workload, *urls["baseline_static"], name="baseline_static")
-        requests = build_workload(workload, sum(sizes), seed=seed, mean_output_tokens=mean_output_tokens,
-                                  max_output_tokens=max_output_tokens)
-        offset = 0
-        for t, (c, n) in enumerate(zip(concurrency, sizes, strict=True)):
-            results = measure_tier(list(urls), requests[offset:offset + n], c, t, seed + t, measure)
-            offset += n
-            tiers.append({"concurrency": c, "num_requests": n, "results": results})
-        again = [full_stack_system(list(urls)) if x == "full_stack" else x for x in repeat]
-        again = [x for x in urls if x in again]
-        if rounds > 1 and again:
-            def fresh(r: int) -> list[Any]:
-                reqs = fresh_requests(workload, sizes[-1], requests + round_requests, seed=seed + 100 + r,
-                                      mean_output_tokens=mean_output_tokens, max_output_tokens=max_output_tokens)
-                round_requests.extend(reqs)
-                return reqs
-
-            tiers[-1]["rounds"] = repeat_rounds(again, tiers[-1]["results"], rounds, fresh, concurrency[-1], seed,
-                                                measure)
+        traffic.attach_length_probe(*urls[BASELINE_STATIC.label], name=BASELINE_STATIC.label)
+        labels = list(urls)
+        loop = TierLoop(labels, measure, traffic, seed, mean_output_tokens, max_output_tokens, rounds,
+                        repeat=[full_stack_system(labels) if x == "full_stack" else x for x in repeat])
+        tiers = loop.run(loop.plan(concurrency, num_requests))
     return {**provenance(baseline=models["baseline"], candidate=models["candidate"],
-                         workload_sha256=requests_sha256(requests), rounds_workload_sha256=requests_sha256(round_requests)),
-            "config": {"concurrency": concurrency, "workload": describe_workload(workload),
+                         workload_sha256=requests_sha256(loop.requests),
+                         rounds_workload_sha256=requests_sha256(loop.round_requests)),
+            "config": {"concurrency": concurrency, "workload": traffic.describe(),
                        "speculative": engine.speculative, "mean_output_tokens": mean_output_tokens,
                        "max_output_tokens": max_output_tokens, "seed": seed,
                        "systems": [s.label for s in systems], "rounds": rounds},
-            "tiers": tiers}
+            "tiers": [t.to_json() for t in tiers]}
+
+
+@dataclass(frozen=True)
+class AblationStep:
+    """One stacked layer at one tier: its system's tok/s and its gain over the layer below."""
+
+    system: str  # the measured system's label (the JSON key of its figures)
+    label: str
+    output_tok_per_s: float
+    marginal_gain: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"system": self.system, "label": self.label, "output_tok_per_s": self.output_tok_per_s,
+                "marginal_gain": self.marginal_gain}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> AblationStep:
+        return cls(d["system"], d["label"], d["output_tok_per_s"], d.get("marginal_gain"))
+
+
+@dataclass(frozen=True)
+class AblationRow:
+    """One tier of the ablation table: the stacked steps, the total and each layer alone over the baseline;
+    with rounds, the total and the quantization-alone speedups over them (ratio_over_rounds' figures)."""
+
+    concurrency: int
+    steps: list[AblationStep]
+    total_speedup: float | None
+    alone_speedup: dict[str, float]  # layer name -> its speedup alone over the baseline
+    stacking_efficiency: float | None = None  # 1: the layers compound; < 1: one's gain was taken by another
+    total_speedup_rounds: dict[str, Any] | None = None
+    quantization_speedup_rounds: dict[str, Any] | None = None
+
+    @property
+    def quantization_speedup(self) -> float | None:
+        return self.alone_speedup.get(ALONE[2].label)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"concurrency": self.concurrency, "steps": [s.to_json() for s in self.steps],
+                               "total_speedup": self.total_speedup, "alone_speedup": dict(self.alone_speedup),
+                               "quantization_speedup": self.quantization_speedup}
+        for key in ("stacking_efficiency", "total_speedup_rounds", "quantization_speedup_rounds"):
+            if (value := getattr(self, key)) is not None:
+                out[key] = value
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> AblationRow:
+        return cls(d["concurrency"], [AblationStep.from_json(s) for s in d["steps"]], d.get("total_speedup"),
+                   dict(d.get("alone_speedup") or {}), d.get("stacking_efficiency"), d.get("total_speedup_rounds"),
+                   d.get("quantization_speedup_rounds"))
+
+    @classmethod
+    def from_tier(cls, tier: TierRecord) -> AblationRow:
+        """Per tier: tok/s of each stacked layer, its marginal gain over the layer before, and the total."""
+        steps: list[AblationStep] = []
+        prev = None
+        for layer in STACK:
+            system = layer.system
+            if system == FULL_STACK and system.label not in tier.results:
+                system = FULL_STACK_PLAIN  # no speculation: quantization lands on continuous batching
+            value = tier.tok_per_s(system.label)
+            if value is None:
+                continue
+            steps.append(AblationStep(system.label, layer.label, value, value / prev if prev else None))
+            prev = value
+        base = tier.tok_per_s(BASELINE_STATIC.label)
+        alone = {layer.label: v / base for layer in ALONE if (v := tier.tok_per_s(layer.system.label)) and base}
+        total = steps[-1].output_tok_per_s / base if steps and base else None
+        rounds = tier.rounds or {}
+
+        def over_rounds(system: str) -> dict[str, Any] | None:
+            if BASELINE_STATIC.label in rounds and system in rounds:
+                return ratio_over_rounds(rounds[system], rounds[BASELINE_STATIC.label])
+            return None
+
+        return cls(tier.concurrency, steps, total, alone,
+                   total / math.prod(alone.values()) if total and alone else None,
+                   over_rounds(full_stack_system(list(tier.results))), over_rounds(QUANTIZATION_ALONE.label))
+
+
+@dataclass(frozen=True)
+class AblationTable:
+    tiers: list[AblationRow]
+    systems: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tiers": [t.to_json() for t in self.tiers], "systems": list(self.systems)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> AblationTable:
+        return cls([AblationRow.from_json(t) for t in d["tiers"]], list(d.get("systems") or []))
+
+    @classmethod
+    def from_bench(cls, bench: dict[str, Any]) -> AblationTable:
+        """The table of a bench_ablation result (as written to bench.json)."""
+        tiers = [AblationRow.from_tier(TierRecord.from_json(t)) for t in bench["tiers"]]
+        return cls(tiers, list(bench["config"]["systems"]))
 
 
 def ablation_table(bench: dict[str, Any]) -> dict[str, Any]:
-    """Per tier: tok/s of each stacked layer, its marginal gain over the layer before, and the total."""
-    out_tiers = []
-    for tier in bench["tiers"]:
-        res = tier["results"]
-
-        def tps(name: str, res: dict[str, Any] = res) -> float | None:
-            r = res.get(name)
-            return r["output_tok_per_s"] if r and r.get("completed") else None
-
-        steps, prev = [], None
-        for name in STACK:
-            key = name
-            if name == "candidate_continuous_spec" and name not in res:
-                key = "candidate_continuous"  # no speculation: quantization lands on continuous batching
-            value = tps(key)
-            if value is None:
-                continue
-            steps.append({"system": key, "label": LABELS[name], "output_tok_per_s": value,
-                          "marginal_gain": value / prev if prev else None})
-            prev = value
-        base = tps("baseline_static")
-        alone = {layer: tps(name) / base for name, layer in ALONE if tps(name) and base}
-        total = steps[-1]["output_tok_per_s"] / base if steps and base else None
-        row = {"concurrency": tier["concurrency"], "steps": steps, "total_speedup": total, "alone_speedup": alone,
-               "quantization_speedup": alone.get("quantization")}
-        if total and alone:
-            # 1: the layers compound; < 1: they overlap (one layer's gain was already taken by another)
-            row["stacking_efficiency"] = total / math.prod(alone.values())
-        rounds = tier.get("rounds") or {}
-        for key, name in (("total_speedup", full_stack_system(list(res))), ("quantization_speedup", "candidate_static")):
-            if "baseline_static" in rounds and name in rounds:
-                row[f"{key}_rounds"] = ratio_over_rounds(rounds[name], rounds["baseline_static"])
-        out_tiers.append(row)
-    return {"tiers": out_tiers, "systems": bench["config"]["systems"]}
+    """The ablation table's JSON (what the sign-off's report and throughput gates read)."""
+    return AblationTable.from_bench(bench).to_json()

@@ -9,7 +9,7 @@ back: the throughput gate judges the spread of the per-round ratios, as it does 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from qtoolkit.evals.stats.paired import ratio_over_rounds
@@ -17,8 +17,9 @@ from qtoolkit.evals.stats.paired import ratio_over_rounds
 from ..endpoints.deployment import Deployment, EndpointError, EndpointInfo
 from ..provenance import provenance
 from .load_client import requests_sha256, run_load, summarize, warm_up
-from .loop import fresh_requests, measure_tier, repeat_rounds, requests_per_tier
-from .workloads import build_workload
+from .loop import TierLoop, TierRecord
+from .types import BenchRequest, Workload
+from .workloads import as_workload
 
 ROLES = ("baseline", "candidate")
 
@@ -39,58 +40,81 @@ def _measure(dep: Deployment, info: EndpointInfo, reqs: list[Any], concurrency: 
 
 def bench_deployments(deps: dict[str, Deployment], infos: dict[str, EndpointInfo], *, concurrency: list[int],
                       num_requests: int | None = None, mean_output_tokens: int = 64, max_output_tokens: int = 128,
-                      workload: str = "mixed", seed: int = 0, rounds: int = 1,
+                      workload: str | Workload = "mixed", seed: int = 0, rounds: int = 1,
                       ignore_eos: bool = True) -> dict[str, Any]:
-    sizes = [requests_per_tier(c, num_requests) for c in concurrency]
-    requests = build_workload(workload, sum(sizes), seed=seed, mean_output_tokens=mean_output_tokens,
-                              max_output_tokens=max_output_tokens)
+    """Both endpoints on the same requests, tier by tier, then `rounds` rounds at the top tier."""
     for role in ROLES:  # first requests pay one-off costs (the same warm-up as `qtool bench serve`)
         warm_up(infos[role].url, infos[role].model_id, seed=seed, ignore_eos=ignore_eos, api_key=deps[role].api_key())
 
-    def measure(role: str, reqs: list[Any], c: int, s: int) -> dict[str, Any]:
+    def measure(role: str, reqs: list[BenchRequest], c: int, s: int) -> dict[str, Any]:
         return _measure(deps[role], infos[role], reqs, c, s, ignore_eos)
 
-    tiers, offset = [], 0
-    for t, (c, n) in enumerate(zip(concurrency, sizes, strict=True)):
-        results = measure_tier(ROLES, requests[offset:offset + n], c, t, seed + t, measure)
-        offset += n
-        tiers.append({"concurrency": c, "num_requests": n, "results": results})
-    round_requests: list[Any] = []
-    if rounds > 1:
-        def fresh(k: int) -> list[Any]:
-            reqs = fresh_requests(workload, sizes[-1], requests + round_requests, seed=seed + 100 + k,
-                                  mean_output_tokens=mean_output_tokens, max_output_tokens=max_output_tokens)
-            round_requests.extend(reqs)
-            return reqs
-
-        tiers[-1]["rounds"] = repeat_rounds(ROLES, tiers[-1]["results"], rounds, fresh, concurrency[-1], seed, measure)
+    traffic = as_workload(workload)
+    loop = TierLoop(list(ROLES), measure, traffic, seed, mean_output_tokens, max_output_tokens, rounds)
+    tiers = loop.plan(concurrency, num_requests)
+    loop.run(tiers)
     return {**provenance(candidate=infos["candidate"].url, baseline=infos["baseline"].url,
-                         workload_sha256=requests_sha256(requests),
-                         rounds_workload_sha256=requests_sha256(round_requests)),
-            "config": {"concurrency": concurrency, "num_requests": num_requests, "workload": workload,
+                         workload_sha256=requests_sha256(loop.requests),
+                         rounds_workload_sha256=requests_sha256(loop.round_requests)),
+            "config": {"concurrency": concurrency, "num_requests": num_requests, "workload": traffic.describe(),
                        "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens,
                        "seed": seed, "rounds": rounds, "ignore_eos": ignore_eos, "api": "completions"},
             "endpoints": {r: asdict(infos[r]) for r in ROLES},
-            "tiers": tiers}
+            "tiers": [t.to_json() for t in tiers]}
+
+
+@dataclass(frozen=True)
+class EndpointFigures:
+    """One endpoint's figures at one tier, as the throughput table shows them."""
+
+    endpoint: str
+    model_id: str
+    output_tok_per_s: float
+    requests_per_s: float
+    completed: int
+    failed: int
+    ttft_p50_s: float | None
+    tpot_p50_s: float | None
+
+    @classmethod
+    def from_summary(cls, r: dict[str, Any]) -> EndpointFigures:
+        """From a tier result: _measure's summary (load_client.summarize's figures, endpoint and model id)."""
+        return cls(r["endpoint"], r["model_id"], r["output_tok_per_s"], r["requests_per_s"], r["completed"],
+                   r["failed"], r["ttft_s"]["p50"], r["tpot_s"]["p50"])
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ThroughputRow:
+    """Candidate ÷ baseline output tok/s at one tier (and over rounds at the top tier)."""
+
+    concurrency: int
+    num_requests: int
+    endpoints: dict[str, EndpointFigures]  # role -> figures
+    total_speedup: float | None
+    total_speedup_rounds: dict[str, Any] | None = None  # ratio_over_rounds' figures
+
+    @classmethod
+    def from_tier(cls, tier: TierRecord) -> ThroughputRow:
+        c, b = (EndpointFigures.from_summary(tier.results[r]) for r in ("candidate", "baseline"))
+        ok = c.completed and b.completed and not c.failed and not b.failed and b.output_tok_per_s
+        rounds = tier.rounds
+        return cls(tier.concurrency, tier.num_requests, {"baseline": b, "candidate": c},
+                   c.output_tok_per_s / b.output_tok_per_s if ok else None,
+                   ratio_over_rounds(rounds["candidate"], rounds["baseline"]) if ok and rounds else None)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"concurrency": self.concurrency, "num_requests": self.num_requests,
+               "endpoints": {r: self.endpoints[r].to_json() for r in ROLES}, "total_speedup": self.total_speedup}
+        if self.total_speedup_rounds is not None:
+            out["total_speedup_rounds"] = self.total_speedup_rounds
+        return out
 
 
 def throughput_table(bench: dict[str, Any]) -> dict[str, Any]:
     """Per tier: candidate ÷ baseline output tok/s (and over rounds at the top tier), in the shape the throughput
     gate reads: the candidate deployment is the full stack, the baseline deployment what it replaces."""
-    rows = []
-    for tier in bench["tiers"]:
-        res = tier["results"]
-        c, b = res["candidate"], res["baseline"]
-        ok = c["completed"] and b["completed"] and not c["failed"] and not b["failed"] and b["output_tok_per_s"]
-        row = {"concurrency": tier["concurrency"], "num_requests": tier["num_requests"],
-               "endpoints": {r: {"endpoint": res[r]["endpoint"], "model_id": res[r]["model_id"],
-                                 "output_tok_per_s": res[r]["output_tok_per_s"],
-                                 "requests_per_s": res[r]["requests_per_s"], "completed": res[r]["completed"],
-                                 "failed": res[r]["failed"], "ttft_p50_s": res[r]["ttft_s"]["p50"],
-                                 "tpot_p50_s": res[r]["tpot_s"]["p50"]} for r in ROLES},
-               "total_speedup": c["output_tok_per_s"] / b["output_tok_per_s"] if ok else None}
-        rounds = tier.get("rounds")
-        if ok and rounds:
-            row["total_speedup_rounds"] = ratio_over_rounds(rounds["candidate"], rounds["baseline"])
-        rows.append(row)
+    rows = [ThroughputRow.from_tier(TierRecord.from_json(t)).to_json() for t in bench["tiers"]]
     return {"tiers": rows, "workload_sha256": bench["inputs"]["workload_sha256"]}

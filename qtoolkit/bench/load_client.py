@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -16,27 +15,12 @@ import numpy as np
 from ..endpoints.deployment import RETRY_STATUS, backoff_s
 from ..engine.params import SpeculativeUsage
 from ..provenance import text_sha256
+from .types import BenchRequest, RequestResult
 from .vllm_names import vllm_metrics
-from .workloads import BenchRequest, arrival_offsets, build_workload
+from .workloads import arrival_offsets, build_workload
 
 _REQUEST_TIMEOUT_S = 600.0
 STREAM_TRIES = 4  # a request refused with 429/503 is sent again up to this many times in all
-
-
-@dataclass
-class RequestResult:
-    index: int
-    ok: bool
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float | None = None  # seconds from send to the first generated text
-    latency: float = 0.0  # seconds from send to the end of the stream
-    itl: list[float] = field(default_factory=list)  # gaps between streamed chunks after the first
-    error: str | None = None
-    speculative: SpeculativeUsage | None = None  # the server's per-request speculative decoding figures, if any
-    status: int | None = None  # the HTTP status of a refused request
-    retry_after: str | None = None  # its Retry-After header
-    retries: int = 0  # 429/503 answers waited out before this result
 
 
 def request_body(model: str, req: BenchRequest, *, api: str, ignore_eos: bool) -> dict[str, Any]:

@@ -5,12 +5,14 @@ then repeated rounds of fresh requests, interleaved within each round, give ever
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from qtoolkit.evals.stats.paired import ratio_over_rounds
 
 from ..progress import status
-from .workloads import BenchRequest, build_workload
+from .types import BenchRequest, Workload
+from .workloads import as_workload
 
 # (label, requests, concurrency, seed) -> a tier summary (load_client.summarize's dict)
 Measure = Callable[[str, list[BenchRequest], int, int], dict[str, Any]]
@@ -26,25 +28,54 @@ def interleaved(labels: Sequence[str], turn: int) -> list[str]:
     return list(labels) if turn % 2 == 0 else list(reversed(labels))
 
 
-def measure_tier(labels: Sequence[str], reqs: list[BenchRequest], concurrency: int, turn: int, seed: int,
-                 measure: Measure, on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Every system on `reqs`, interleaved; `on_result(results so far)` after each system. The results come
-    back in the order of `labels`."""
-    results: dict[str, Any] = {}
-    for label in interleaved(labels, turn):
-        status(f"concurrency {concurrency}: {len(reqs)} requests against {label}")
-        results[label] = measure(label, reqs, concurrency, seed)
-        if on_result is not None:
-            on_result(results)
-    return {label: results[label] for label in labels}
+@dataclass
+class Tier:
+    """One concurrency tier: its requests, each system's summary on them (keyed by the system's label, in the
+    order the systems were given) and, when the tier is repeated, each repeated system's output tok/s per round
+    (round 1 is the tier's own measurement)."""
+
+    concurrency: int
+    requests: list[BenchRequest]
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rounds: dict[str, list[float]] | None = None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"concurrency": self.concurrency, "num_requests": self.num_requests,
+                               "results": self.results}
+        if self.rounds is not None:
+            out["rounds"] = self.rounds
+        return out
 
 
-def fresh_requests(workload: Any, n: int, used: list[BenchRequest], *, seed: int, mean_output_tokens: int,
-                   max_output_tokens: int) -> list[BenchRequest]:
+@dataclass(frozen=True)
+class TierRecord:
+    """A tier as a bench JSON holds it (no requests, only their count): what the tables read back."""
+
+    concurrency: int
+    num_requests: int
+    results: dict[str, dict[str, Any]]
+    rounds: dict[str, list[float]] | None = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TierRecord:
+        return cls(int(d["concurrency"]), int(d["num_requests"]), dict(d["results"]), d.get("rounds"))
+
+    def tok_per_s(self, label: str) -> float | None:
+        """The system's output tok/s at this tier; None when it was not measured or completed nothing."""
+        r = self.results.get(label)
+        return r["output_tok_per_s"] if r and r.get("completed") else None
+
+
+def fresh_requests(workload: str | Workload, n: int, used: list[BenchRequest], *, seed: int,
+                   mean_output_tokens: int, max_output_tokens: int) -> list[BenchRequest]:
     """n requests whose prompts none of `used` had: a repeated prompt would be served from the prefix cache."""
     seen = {r.prompt for r in used}
-    pool = build_workload(workload, 4 * n + len(used), seed=seed, mean_output_tokens=mean_output_tokens,
-                          max_output_tokens=max_output_tokens)
+    pool = as_workload(workload).requests(4 * n + len(used), seed=seed, mean_output_tokens=mean_output_tokens,
+                                          max_output_tokens=max_output_tokens)
     fresh = []
     for r in pool:
         if r.prompt not in seen and len(fresh) < n:
@@ -53,17 +84,76 @@ def fresh_requests(workload: Any, n: int, used: list[BenchRequest], *, seed: int
     return fresh if len(fresh) == n else pool[:n]  # a tiny prompt pool: repeats are unavoidable
 
 
-def repeat_rounds(labels: Sequence[str], first: dict[str, Any], rounds: int, fresh: Callable[[int], list[BenchRequest]],
-                  concurrency: int, seed: int, measure: Measure) -> dict[str, list[float]]:
-    """Output tok/s per system over `rounds` rounds: round 1 is `first` (the tier's results), each later round
-    serves `fresh(round)` requests to every system, interleaved."""
-    per_round = {label: [first[label]["output_tok_per_s"]] for label in labels}
-    for r in range(1, rounds):
-        reqs = fresh(r)
-        for label in interleaved(labels, r):
-            status(f"concurrency {concurrency}, round {r + 1}/{rounds}: {len(reqs)} requests against {label}")
-            per_round[label].append(measure(label, reqs, concurrency, seed + r)["output_tok_per_s"])
-    return per_round
+@dataclass
+class TierLoop:
+    """Systems (by label) x tiers, then rounds. With rounds > 1, `repeat` (default: every system) serves a tier
+    again rounds - 1 more times on fresh requests: at every tier when `every_tier`, else at the top tier only.
+    The k-th repeated tier draws round r's requests with seed + 100 (k + 1) + r, so rounds never reuse the
+    tiers' prompts; tier t's round r is measured with seed + t + r (its arrival times when a rate is set)."""
+
+    labels: list[str]
+    measure: Measure
+    workload: Workload
+    seed: int
+    mean_output_tokens: int
+    max_output_tokens: int
+    rounds: int = 1
+    repeat: list[str] | None = None
+    every_tier: bool = False
+    # called with (tier index, tier) after each system's measurement and after the tier's rounds
+    on_result: Callable[[int, Tier], None] | None = None
+    requests: list[BenchRequest] = field(default_factory=list)
+    round_requests: list[BenchRequest] = field(default_factory=list)
+
+    def plan(self, concurrency: list[int], num_requests: int | None) -> list[Tier]:
+        """The tiers' requests: one seeded draw of the workload, cut into consecutive slices."""
+        sizes = [requests_per_tier(c, num_requests) for c in concurrency]
+        self.requests = self.workload.requests(sum(sizes), seed=self.seed, mean_output_tokens=self.mean_output_tokens,
+                                               max_output_tokens=self.max_output_tokens)
+        tiers, offset = [], 0
+        for c, n in zip(concurrency, sizes, strict=True):
+            tiers.append(Tier(c, self.requests[offset:offset + n]))
+            offset += n
+        return tiers
+
+    def run(self, tiers: list[Tier], after_tier: Callable[[int, Tier], None] | None = None) -> list[Tier]:
+        """Measure every tier, its rounds and then `after_tier(index, tier)` (e.g. the HF baseline)."""
+        repeated = 0
+        for t, tier in enumerate(tiers):
+            self._measure_tier(t, tier)
+            again = [x for x in self.labels if self.repeat is None or x in self.repeat]
+            if self.rounds > 1 and again and (self.every_tier or t == len(tiers) - 1):
+                self._repeat(t, tier, again, repeated)
+                repeated += 1
+                if self.on_result is not None:
+                    self.on_result(t, tier)
+            if after_tier is not None:
+                after_tier(t, tier)
+        return tiers
+
+    def _measure_tier(self, t: int, tier: Tier) -> None:
+        """Every system on the tier's requests, interleaved; results kept in the order of `labels`."""
+        results: dict[str, dict[str, Any]] = {}
+        for label in interleaved(self.labels, t):
+            status(f"concurrency {tier.concurrency}: {tier.num_requests} requests against {label}")
+            results[label] = self.measure(label, tier.requests, tier.concurrency, self.seed + t)
+            tier.results = {x: results[x] for x in self.labels if x in results}
+            if self.on_result is not None:
+                self.on_result(t, tier)
+
+    def _repeat(self, t: int, tier: Tier, labels: list[str], k: int) -> None:
+        per_round = {label: [tier.results[label]["output_tok_per_s"]] for label in labels}
+        for r in range(1, self.rounds):
+            reqs = fresh_requests(self.workload, tier.num_requests, self.requests + self.round_requests,
+                                  seed=self.seed + 100 * (k + 1) + r, mean_output_tokens=self.mean_output_tokens,
+                                  max_output_tokens=self.max_output_tokens)
+            self.round_requests.extend(reqs)
+            for label in interleaved(labels, r):
+                status(f"concurrency {tier.concurrency}, round {r + 1}/{self.rounds}: {len(reqs)} requests "
+                       f"against {label}")
+                per_round[label].append(self.measure(label, reqs, tier.concurrency, self.seed + t + r)
+                                        ["output_tok_per_s"])
+        tier.rounds = per_round
 
 
 def ratio_rounds(rounds: dict[str, list[float]], numerator: str, denominator: str) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -21,12 +22,12 @@ from ..progress import status
 from ..provenance import provenance
 from ..server.process import server_process
 from .load_client import normalize_endpoint, requests_sha256, run_load, served_models, summarize, warm_up
-from .loop import Measure, fresh_requests, measure_tier, ratio_rounds, repeat_rounds, requests_per_tier
-from .spec_ceiling import prefill_share, scrape_speculative, speculation_ceiling, tier_delta
+from .loop import Measure, Tier, TierLoop, ratio_rounds
+from .spec_ceiling import TierSpeculation, prefill_share, scrape_speculative, speculation_ceiling, tier_delta
 from .systems import ENDPOINT, HF, System, serve_systems
+from .types import BenchRequest, Workload
 from .vllm_names import vllm_run_fields
-from .workload_files import attach_length_probe, describe_workload
-from .workloads import BenchRequest, build_workload
+from .workloads import as_workload, build_workload
 
 
 # ---- HF transformers baseline: the same requests in static batches --------------------------------------------
@@ -71,38 +72,50 @@ def load_hf(model_path: Any, dtype: str) -> tuple[Any, Any]:
 
 
 # ---- one `qtool bench serve` run: systems x concurrency tiers, interleaved ---------------------------------------
+@dataclass(frozen=True)
+class RatioPair:
+    """A ratio the report gives at every tier: numerator's output tok/s over denominator's. `speculative` is set
+    when the pair is a speculative system over itself without speculation (a point of the speedup curve)."""
+
+    numerator: str
+    denominator: str
+    speculative: System | None = None
+
+    @property
+    def key(self) -> str:
+        """The ratio's name in the report's `ratios` and `ratios_rounds`."""
+        return f"{self.numerator}_over_{self.denominator}"
+
+
 def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
     if not a or not b or not b.get("output_tok_per_s") or a.get("failed") or b.get("failed"):
         return None
     return a["output_tok_per_s"] / b["output_tok_per_s"]
 
 
-def _ratio_pairs(systems: list[System]) -> list[tuple[str, str, str]]:
-    """(ratio key, numerator, denominator): continuous over static, each speculative system over itself
-    without speculation."""
-    pairs = [("continuous_over_static", "continuous", "static")]
-    pairs += [(f"{s.label}_over_{s.plain.label}", s.label, s.plain.label) for s in systems if s.speculative]
+def _ratio_pairs(systems: list[System]) -> list[RatioPair]:
+    """Continuous over static, and each speculative system over itself without speculation."""
+    pairs = [RatioPair("continuous", "static")]
+    pairs += [RatioPair(s.label, s.plain.label, s) for s in systems if s.speculative]
     return pairs
 
 
 def _tier_ratios(results: dict[str, Any], systems: list[System]) -> dict[str, float]:
-    ratios = {key: _ratio(results.get(a), results.get(b)) for key, a, b in _ratio_pairs(systems)}
+    ratios = {p.key: _ratio(results.get(p.numerator), results.get(p.denominator)) for p in _ratio_pairs(systems)}
     ratios["engine_over_hf"] = _ratio(results.get("continuous") or results.get("static"), results.get(HF))
     return {k: v for k, v in ratios.items() if v is not None}
 
 
-def _update_tier(report: dict[str, Any], systems: list[System], tier: dict[str, Any],
-                 on_tier: Callable[[dict[str, Any]], None] | None) -> None:
-    """Record (or refresh) `tier` with the systems measured so far and hand the report to `on_tier`."""
-    tier["ratios"] = _tier_ratios(tier["results"], systems)
-    tiers = report["tiers"]
-    if tiers and tiers[-1]["concurrency"] == tier["concurrency"] and tiers[-1]["num_requests"] == tier["num_requests"]:
-        tiers[-1] = tier
-    else:
-        tiers.append(tier)
-    report["speculative_curve"] = _speculative_curve(report["tiers"], systems)
-    if on_tier is not None:
-        on_tier(report)  # long CPU runs keep what they measured if stopped
+def _tier_json(tier: Tier, systems: list[System], rate: float | None) -> dict[str, Any]:
+    """A tier as the report holds it: the loop's figures, vLLM's run settings, the ratios (over rounds too)."""
+    out = {"concurrency": tier.concurrency, "num_requests": tier.num_requests,
+           **vllm_run_fields(tier.concurrency, tier.num_requests, rate), "results": dict(tier.results),
+           "ratios": _tier_ratios(tier.results, systems)}
+    if tier.rounds is not None:
+        out["rounds"] = tier.rounds
+        out["ratios_rounds"] = {p.key: r for p in _ratio_pairs(systems)
+                                if (r := ratio_rounds(tier.rounds, p.numerator, p.denominator)) is not None}
+    return out
 
 
 def _add_ceilings(results: dict[str, Any], systems: list[System], concurrency: int,
@@ -114,7 +127,8 @@ def _add_ceilings(results: dict[str, Any], systems: list[System], concurrency: i
         res, plain = results.get(s.label), results.get(s.plain.label)
         share = prefill_share(plain) if s.speculative and plain else None
         if res and "speculative_engine" in res and share is not None:
-            res["speculative_ceiling"] = speculation_ceiling(res["speculative_engine"], prefill_share=share,
+            res["speculative_ceiling"] = speculation_ceiling(TierSpeculation.from_json(res["speculative_engine"]),
+                                                             prefill_share=share,
                                                              num_speculative_tokens=num_speculative_tokens)
 
 
@@ -123,17 +137,16 @@ def _speculative_curve(tiers: list[dict[str, Any]], systems: list[System]) -> di
     with its 95% interval over rounds when the run repeated them."""
     curve: dict[str, list[dict[str, Any]]] = {}
     for tier in tiers:
-        for s in systems:
-            key = f"{s.label}_over_{s.plain.label}"
-            if not s.speculative or key not in tier["ratios"]:
+        for pair in _ratio_pairs(systems):
+            if pair.speculative is None or pair.key not in tier["ratios"]:
                 continue
-            point = {"concurrency": tier["concurrency"], "speedup": tier["ratios"][key]}
-            if (over_rounds := tier.get("ratios_rounds", {}).get(key)) is not None:
+            point = {"concurrency": tier["concurrency"], "speedup": tier["ratios"][pair.key]}
+            if (over_rounds := tier.get("ratios_rounds", {}).get(pair.key)) is not None:
                 point["ci95"] = over_rounds["ci95"]
-            if ceiling := tier["results"][s.label].get("speculative_ceiling"):
+            if ceiling := tier["results"][pair.numerator].get("speculative_ceiling"):
                 point["ceiling"] = ceiling["measured_acceptance"]["request_speedup"]
                 point["ceiling_at_full_acceptance"] = ceiling["full_acceptance"]["request_speedup"]
-            curve.setdefault(s.label, []).append(point)
+            curve.setdefault(pair.numerator, []).append(point)
     return curve
 
 
@@ -186,7 +199,7 @@ def _measurer(urls: dict[str, str], systems: list[System], model: str, *, rate: 
                                              seed=seed, api=api, ignore_eos=ignore_eos, api_key=api_key))
         summary = summarize(res, duration)
         if label in speculative and (engine := tier_delta(before, scrape_speculative(urls[label], api_key))):
-            summary["speculative_engine"] = engine
+            summary["speculative_engine"] = engine.to_json()
         return summary
 
     return measure
@@ -194,7 +207,7 @@ def _measurer(urls: dict[str, str], systems: list[System], model: str, *, rate: 
 
 def bench_serve(model: str = "default", engine: EngineConfig | None = None, *, endpoint: str | None = None,
                 concurrency: list[int] | None = None, batching: list[str] | None = None,
-                speculative: list[str] | None = None, workload: Any = "mixed", rate: float | None = None,
+                speculative: list[str] | None = None, workload: str | Workload = "mixed", rate: float | None = None,
                 num_requests: int | None = None, compare_hf: bool = False, seed: int = 0,
                 mean_output_tokens: int = 64, max_output_tokens: int = 128, api: str = "completions",
                 ignore_eos: bool = True, api_key: str | None = None, rounds: int = 1,
@@ -211,6 +224,7 @@ def bench_serve(model: str = "default", engine: EngineConfig | None = None, *, e
     _check_serve_args(endpoint, concurrency, compare_hf, rounds, engine)
     systems = [System(kind=ENDPOINT)] if endpoint else serve_systems(batching or ["continuous"], speculative or [])
     source = None if endpoint else resolve_model(model)
+    traffic = as_workload(workload)
     with contextlib.ExitStack() as stack:
         if endpoint:
             urls = {ENDPOINT: normalize_endpoint(endpoint)}
@@ -220,15 +234,14 @@ def bench_serve(model: str = "default", engine: EngineConfig | None = None, *, e
         for url in urls.values():
             warm_up(url, model, seed=seed, api=api, ignore_eos=ignore_eos, api_key=api_key)
         first = next(iter(urls))  # a workload file's lines without max_tokens: their answer length here
-        attach_length_probe(workload, urls[first], model, name=first, api_key=api_key)
-        run = _ServeRun(systems, _measurer(urls, systems, model, rate=rate, api=api, ignore_eos=ignore_eos,
-                                           api_key=api_key),
-                        workload, seed, mean_output_tokens, max_output_tokens, rounds, on_tier,
-                        engine.num_speculative_tokens)
-        requests = run.build_requests(concurrency, num_requests)
+        traffic.attach_length_probe(urls[first], model, name=first, api_key=api_key)
+        loop = TierLoop(list(urls), _measurer(urls, systems, model, rate=rate, api=api, ignore_eos=ignore_eos,
+                                              api_key=api_key),
+                        traffic, seed, mean_output_tokens, max_output_tokens, rounds, every_tier=True)
+        tiers = loop.plan(concurrency, num_requests)
         hf = _load_hf_warm(source, engine.dtype, seed) if compare_hf else None
         config = {"model": model, "endpoint": endpoint, "systems": list(urls) + ([HF] if hf else []),
-                  "concurrency": concurrency, "workload": describe_workload(workload), "rate_qps": rate, "seed": seed,
+                  "concurrency": concurrency, "workload": traffic.describe(), "rate_qps": rate, "seed": seed,
                   "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens, "api": api,
                   "ignore_eos": ignore_eos, "kv_cache_memory": engine.kv_cache_memory,
                   "max_num_seqs": engine.max_num_seqs, "dtype": engine.dtype, "speculative": speculative or [],
@@ -237,11 +250,12 @@ def bench_serve(model: str = "default", engine: EngineConfig | None = None, *, e
                   "hf_note": "HF runs the tier's requests offline in static batches of the tier's concurrency "
                              "(no arrivals); only requested tokens count"}
         prov = provenance(model=source.describe() if source else {"name": model, "endpoint": endpoint},
-                          workload_sha256=requests_sha256(requests))
+                          workload_sha256=requests_sha256(loop.requests))
         report = {**prov, "config": config, "complete": False, "tiers": []}
-        run.measure_tiers(report, hf)
+        _measure_tiers(loop, tiers, report, hf, _Reporter(report, systems, rate, engine.num_speculative_tokens,
+                                                          on_tier))
     if rounds > 1:
-        report["inputs"]["rounds_workload_sha256"] = requests_sha256(run.round_requests)
+        report["inputs"]["rounds_workload_sha256"] = requests_sha256(loop.round_requests)
     report["complete"] = True
     return report
 
@@ -252,65 +266,40 @@ def _load_hf_warm(source: Any, dtype: str, seed: int) -> tuple[Any, Any]:
     return hf
 
 
-@dataclasses.dataclass
-class _ServeRun:
-    """One bench serve run's tiers: the systems, how one is measured, the requests and the rounds."""
+@dataclass
+class _Reporter:
+    """Keeps the report's tiers current as the loop measures, and hands the report to `on_tier`: long CPU runs
+    keep what they measured if stopped."""
 
+    report: dict[str, Any]
     systems: list[System]
-    measure: Measure
-    workload: Any
-    seed: int
-    mean_output_tokens: int
-    max_output_tokens: int
-    rounds: int
-    on_tier: Callable[[dict[str, Any]], None] | None
+    rate: float | None
     num_speculative_tokens: int
-    tiers: list[tuple[int, list[BenchRequest]]] = dataclasses.field(default_factory=list)
-    requests: list[BenchRequest] = dataclasses.field(default_factory=list)
-    round_requests: list[BenchRequest] = dataclasses.field(default_factory=list)
+    on_tier: Callable[[dict[str, Any]], None] | None
 
-    def build_requests(self, concurrency: list[int], num_requests: int | None) -> list[BenchRequest]:
-        sizes = [requests_per_tier(c, num_requests) for c in concurrency]
-        requests = build_workload(self.workload, sum(sizes), seed=self.seed,
-                                  mean_output_tokens=self.mean_output_tokens, max_output_tokens=self.max_output_tokens)
-        offset = 0
-        for c, n in zip(concurrency, sizes, strict=True):
-            self.tiers.append((c, requests[offset:offset + n]))
-            offset += n
-        self.requests = requests
-        return requests
+    def __call__(self, t: int, tier: Tier) -> None:
+        _add_ceilings(tier.results, self.systems, tier.concurrency, self.num_speculative_tokens)
+        tiers = self.report["tiers"]
+        tiers[t:t + 1] = [_tier_json(tier, self.systems, self.rate)]
+        self.report["speculative_curve"] = _speculative_curve(tiers, self.systems)
+        if self.on_tier is not None:
+            self.on_tier(self.report)
 
-    def fresh(self, t: int, n: int) -> Callable[[int], list[BenchRequest]]:
-        def draw(r: int) -> list[BenchRequest]:
-            reqs = fresh_requests(self.workload, n, self.requests + self.round_requests,
-                                  seed=self.seed + 100 * (t + 1) + r, mean_output_tokens=self.mean_output_tokens,
-                                  max_output_tokens=self.max_output_tokens)
-            self.round_requests += reqs
-            return reqs
-        return draw
 
-    def measure_tiers(self, report: dict[str, Any], hf: tuple[Any, Any] | None) -> None:
-        labels = [s.label for s in self.systems]
-        for t, (c, reqs) in enumerate(self.tiers):
-            tier = {"concurrency": c, "num_requests": len(reqs),
-                    **vllm_run_fields(c, len(reqs), report["config"].get("rate_qps")), "results": {}}
+def _measure_tiers(loop: TierLoop, tiers: list[Tier], report: dict[str, Any], hf: tuple[Any, Any] | None,
+                   reporter: _Reporter) -> None:
+    """The loop's tiers and rounds, then (with --compare hf) HF generate on each tier's requests."""
 
-            def on_result(results: dict[str, Any], tier: dict[str, Any] = tier, c: int = c) -> None:
-                _add_ceilings(results, self.systems, c, self.num_speculative_tokens)
-                tier["results"] = dict(results)
-                _update_tier(report, self.systems, tier, self.on_tier)
+    def hf_tier(t: int, tier: Tier) -> None:
+        if hf is None:
+            return
+        status(f"concurrency {tier.concurrency}: {tier.num_requests} requests through HF generate "
+               f"(static batches of {tier.concurrency})")
+        tier.results[HF] = hf_generate_tier(*hf, tier.requests, tier.concurrency)
+        reporter(t, tier)
 
-            results = measure_tier(labels, reqs, c, t, self.seed + t, self.measure, on_result)
-            if self.rounds > 1:
-                tier["rounds"] = repeat_rounds(labels, results, self.rounds, self.fresh(t, len(reqs)), c,
-                                               self.seed + t, self.measure)
-                tier["ratios_rounds"] = {key: r for key, a, b in _ratio_pairs(self.systems)
-                                         if (r := ratio_rounds(tier["rounds"], a, b)) is not None}
-                _update_tier(report, self.systems, tier, self.on_tier)
-            if hf is not None:
-                status(f"concurrency {c}: {len(reqs)} requests through HF generate (static batches of {c})")
-                tier["results"][HF] = hf_generate_tier(*hf, reqs, c)
-                _update_tier(report, self.systems, tier, self.on_tier)
+    loop.on_result = reporter
+    loop.run(tiers, after_tier=hf_tier)
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -331,11 +320,12 @@ def format_table(report: dict[str, Any]) -> str:
             over_rounds = tier.get("ratios_rounds", {}).get(k)
             lines.append(f"{'':<16}{k} = {v:.2f}x" + (_rounds_text(over_rounds) if over_rounds else ""))
         for name, r in tier["results"].items():
-            if (e := r.get("speculative_engine")) is not None:
-                lines.append(f"{'':<16}{name}: drafted {e['draft_tokens']}, accepted {e['accepted_tokens']} "
-                             f"(by position {e['acceptance_by_position'][:4]}), proposer {e['proposer_share']:.0%}"
-                             f" of spec time, draft cost r={e['draft_cost_ratio']:.2f}, "
-                             f"verify cost v={e['verify_cost_per_token']:.2f}/token")
+            if (block := r.get("speculative_engine")) is not None:
+                e = TierSpeculation.from_json(block)
+                lines.append(f"{'':<16}{name}: drafted {e.usage.draft_tokens}, accepted {e.usage.accepted_tokens} "
+                             f"(by position {e.acceptance_by_position[:4]}), proposer {e.proposer_share:.0%}"
+                             f" of spec time, draft cost r={e.draft_cost_ratio:.2f}, "
+                             f"verify cost v={e.verify_cost_per_token:.2f}/token")
             if (cl := r.get("speculative_ceiling")) is not None:
                 m, f = cl["measured_acceptance"], cl["full_acceptance"]
                 lines.append(f"{'':<16}{name}: ceiling at these costs {m['request_speedup']:.2f}x "

@@ -9,12 +9,13 @@ The ceiling is reported for concurrency 1, where a request's time is its own pre
 The model takes draft positions as independent trials of the first position's acceptance; prompt lookup's
 acceptance is bursty (a match tends to run on), so it can beat the "measured acceptance" figure. The figure at
 acceptance 1 is a true bound for the measured r and v: no step can emit more than k + 1 tokens. Both costs are
-moving estimates from the same tier, so they carry its noise (v at batch 1 read 0.02-0.13 across runs here).
+moving estimates from the same tier, so they carry its noise (v at batch 1 moves several-fold between runs).
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -40,7 +41,43 @@ def scrape_speculative(base_url: str, api_key: str | None = None) -> Speculative
     return parse_speculative(text) if text else None
 
 
-def tier_delta(before: SpeculativeStats | None, after: SpeculativeStats | None) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class TierSpeculation:
+    """Engine-side speculation over one tier (a bench result's `speculative_engine`): the usage counted over the
+    tier, acceptance per draft position, where the time went, and the policy's cost estimates at the tier's end."""
+
+    usage: SpeculativeUsage = field(default_factory=SpeculativeUsage)
+    acceptance_by_position: list[float] = field(default_factory=list)
+    speculative_steps: int = 0
+    plain_steps: int = 0
+    proposer_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    draft_cost_ratio: float = 0.0
+    verify_cost_per_token: float = 0.0
+
+    @property
+    def proposer_share(self) -> float:
+        spent = self.proposer_seconds + self.verify_seconds
+        return round(self.proposer_seconds / spent, 4) if spent > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"draft_tokens": self.usage.draft_tokens, "accepted_tokens": self.usage.accepted_tokens,
+                "acceptance_rate": self.usage.acceptance_rate,
+                "acceptance_by_position": list(self.acceptance_by_position),
+                "verifications": self.usage.verify_steps,
+                "speculative_steps": self.speculative_steps, "plain_steps": self.plain_steps,
+                "proposer_seconds": self.proposer_seconds, "verify_seconds": self.verify_seconds,
+                "proposer_share": self.proposer_share, "draft_cost_ratio": self.draft_cost_ratio,
+                "verify_cost_per_token": self.verify_cost_per_token}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TierSpeculation:
+        usage = SpeculativeUsage(int(d["draft_tokens"]), int(d["accepted_tokens"]), int(d["verifications"]))
+        return cls(usage, list(d["acceptance_by_position"]), int(d["speculative_steps"]), int(d["plain_steps"]),
+                   d["proposer_seconds"], d["verify_seconds"], d["draft_cost_ratio"], d["verify_cost_per_token"])
+
+
+def tier_delta(before: SpeculativeStats | None, after: SpeculativeStats | None) -> TierSpeculation | None:
     """Engine-side speculation over one tier: counters differenced, the policy's cost estimates as at its end."""
     if after is None:
         return None
@@ -53,21 +90,14 @@ def tier_delta(before: SpeculativeStats | None, after: SpeculativeStats | None) 
             by_position.append(round(accepted / proposed, 4))
     usage = SpeculativeUsage(after.draft_tokens - before.draft_tokens, after.accepted_tokens - before.accepted_tokens,
                              after.verify_steps - before.verify_steps)
-    propose = after.proposer_seconds - before.proposer_seconds
-    verify = after.verify_seconds - before.verify_seconds
-    return {"draft_tokens": usage.draft_tokens, "accepted_tokens": usage.accepted_tokens,
-            "acceptance_rate": usage.acceptance_rate,
-            "acceptance_by_position": by_position,
-            "verifications": usage.verify_steps,
-            "speculative_steps": after.steps_with_speculation - before.steps_with_speculation,
-            "plain_steps": after.steps_without_speculation - before.steps_without_speculation,
-            "proposer_seconds": round(propose, 4), "verify_seconds": round(verify, 4),
-            "proposer_share": round(propose / (propose + verify), 4) if propose + verify > 0 else 0.0,
-            "draft_cost_ratio": round(after.draft_cost_ratio, 4),
-            "verify_cost_per_token": round(after.verify_cost_per_token, 4)}
+    return TierSpeculation(usage, by_position, after.steps_with_speculation - before.steps_with_speculation,
+                           after.steps_without_speculation - before.steps_without_speculation,
+                           round(after.proposer_seconds - before.proposer_seconds, 4),
+                           round(after.verify_seconds - before.verify_seconds, 4),
+                           round(after.draft_cost_ratio, 4), round(after.verify_cost_per_token, 4))
 
 
-def speculation_ceiling(engine: dict[str, Any], *, num_speculative_tokens: int,
+def speculation_ceiling(engine: TierSpeculation, *, num_speculative_tokens: int,
                         prefill_share: float) -> dict[str, Any]:
     """Best speedup the measured costs allow: at the measured first-position acceptance, and at acceptance 1.
 
@@ -76,8 +106,8 @@ def speculation_ceiling(engine: dict[str, Any], *, num_speculative_tokens: int,
     token (prefill), which speculation does not touch.
     """
     policy = SpeculationPolicy(num_speculative_tokens)
-    policy.draft_cost, policy.verify_cost = engine["draft_cost_ratio"], engine["verify_cost_per_token"]
-    measured = engine["acceptance_by_position"][0] if engine["acceptance_by_position"] else 0.0
+    policy.draft_cost, policy.verify_cost = engine.draft_cost_ratio, engine.verify_cost_per_token
+    measured = engine.acceptance_by_position[0] if engine.acceptance_by_position else 0.0
     out: dict[str, Any] = {"model": "E(a,k) / ((1 + k v)(1 + k r)); request = 1 / (p + (1 - p) / decode)",
                            "draft_cost_ratio": policy.draft_cost, "verify_cost_per_token": policy.verify_cost,
                            "prefill_share": round(prefill_share, 4), "first_position_acceptance": measured}

@@ -1,5 +1,5 @@
 """What a benchmark measures side by side: each system is a value (which checkpoint, batching, proposer), not a
-name to parse. Its `label` is the key its figures have in the result JSON (unchanged from earlier files)."""
+name to parse. Its `label` is the key its figures have in the result JSON, so readers of bench files rely on it."""
 
 from __future__ import annotations
 

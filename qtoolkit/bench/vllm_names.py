@@ -10,12 +10,11 @@ between streamed chunks, E2EL the whole request; std is the population standard 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .load_client import RequestResult
+from .types import RequestResult
 
 PERCENTILES = (99,)
 

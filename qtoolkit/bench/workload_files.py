@@ -21,7 +21,8 @@ from ..errors import QToolError
 from ..evals.workload_file import file_sha256, sample_items
 from ..progress import status
 from .load_client import run_load
-from .workloads import WORKLOADS, BenchRequest
+from .types import BenchRequest, Workload
+from .workloads import WORKLOADS, BuiltinWorkload
 
 _MEASURE_CONCURRENCY = 8
 
@@ -45,8 +46,10 @@ class FileWorkload:
         return {"files": [{"path": p, "sha256": file_sha256(p)} for p in self.paths],
                 "answer_lengths": {"measured_items": len(self.lengths), "sources": dict(self.sources)}}
 
-    def requests(self, n: int, *, seed: int, max_output_tokens: int) -> list[BenchRequest]:
-        """n requests drawn from the files' lines (each file sampled by a seeded hash of ids, then shuffled)."""
+    def requests(self, n: int, *, seed: int, max_output_tokens: int,
+                 mean_output_tokens: int = 64) -> list[BenchRequest]:
+        """n requests drawn from the files' lines (each file sampled by a seeded hash of ids, then shuffled);
+        `mean_output_tokens` plays no part: a line's length is its max_tokens or its measured answer."""
         lines = [(Path(p).stem, ln) for p in self.paths for ln in sample_items(p, n, seed=seed)]
         order = np.random.default_rng(seed).permutation(len(lines))
         out = []
@@ -69,34 +72,27 @@ class FileWorkload:
             self.sources[str(self.measured_on)] = self.sources.get(str(self.measured_on), 0) + len(todo)
         return [r if r.max_tokens else replace(r, max_tokens=self.lengths[r.item]) for r in reqs]
 
+    def attach_length_probe(self, url: str, model: str, *, name: str, api_key: str | None = None) -> None:
+        """Measure missing answer lengths on the server at `url` (greedy, EOS honoured)."""
 
-def attach_length_probe(workload: Any, url: str, model: str, *, name: str, api_key: str | None = None) -> None:
-    """Measure missing answer lengths on the server at `url` (greedy, EOS honoured); no-op for built-ins."""
-    if not isinstance(workload, FileWorkload):
-        return
+        def measure(reqs: list[BenchRequest]) -> list[int]:
+            status(f"measuring the answer length of {len(reqs)} workload lines on {name}")
+            results, _ = asyncio.run(run_load(url, model, reqs, concurrency=min(_MEASURE_CONCURRENCY, len(reqs)),
+                                              ignore_eos=False, api_key=api_key))
+            bad = [r for r in results if not r.ok]
+            if bad:
+                item = {r.index: r.item for r in reqs}[bad[0].index]
+                raise QToolError(f"{name} did not answer workload line {item} ({bad[0].error}): "
+                                 "give the line a max_tokens or fix the server")
+            return [max(r.output_tokens, 1) for r in results]
 
-    def measure(reqs: list[BenchRequest]) -> list[int]:
-        status(f"measuring the answer length of {len(reqs)} workload lines on {name}")
-        results, _ = asyncio.run(run_load(url, model, reqs, concurrency=min(_MEASURE_CONCURRENCY, len(reqs)),
-                                          ignore_eos=False, api_key=api_key))
-        bad = [r for r in results if not r.ok]
-        if bad:
-            item = {r.index: r.item for r in reqs}[bad[0].index]
-            raise QToolError(f"{name} did not answer workload line {item} ({bad[0].error}): "
-                             "give the line a max_tokens or fix the server")
-        return [max(r.output_tokens, 1) for r in results]
-
-    workload.measure, workload.measured_on = measure, name
+        self.measure, self.measured_on = measure, name
 
 
-def describe_workload(workload: Any) -> Any:
-    return workload.describe() if isinstance(workload, FileWorkload) else workload
-
-
-def parse_workload(spec: str) -> Any:
+def parse_workload(spec: str) -> Workload:
     """A built-in workload name, or comma-separated workload files."""
     if spec in WORKLOADS:
-        return spec
+        return BuiltinWorkload(spec)
     paths = tuple(p.strip() for p in spec.split(",") if p.strip())
     if not paths or not all(p.endswith(".jsonl") or Path(p).is_file() for p in paths):
         raise QToolError(f"--workload {spec!r}: use one of {', '.join(WORKLOADS)} or a workload file FILE.jsonl")

@@ -10,16 +10,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from ..errors import DataError
 from ..evals.data import aclsum_items, humaneval_problems
 from ..evals.prompts import user_message
-
-if TYPE_CHECKING:
-    from .workload_files import FileWorkload
+from .types import BenchRequest, Workload
 
 WORKLOADS = ("code", "summarization", "mixed", "long")
 # Code completions run longer than one-sentence summaries; the mixed workload averages to the requested mean.
@@ -29,17 +27,6 @@ _LENGTH_FACTOR = {"code": 1.25, "summarization": 0.75, "long": 1.0}
 _LONG_DOCUMENT_CHARS = 10000  # ~2k tokens of English prose
 _LENGTH_SIGMA = 0.6
 _MIN_OUTPUT_TOKENS = 4
-
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    index: int
-    kind: str  # "code" | "summarization" | a workload file's "completion" | "chat"
-    prompt: str  # a chat request's messages as JSON (its identity; the messages are sent as they are)
-    max_tokens: int
-    messages: tuple[dict[str, str], ...] | None = None  # a chat request, sent to /v1/chat/completions
-    item: str | None = None  # a workload file's item, "STEM/ID"
 
 
 @cache
@@ -77,33 +64,69 @@ def output_lengths(kind: str, n: int, rng: np.random.Generator, mean_tokens: int
     return [int(min(max(round(x), _MIN_OUTPUT_TOKENS), max_tokens)) for x in draws]
 
 
-def build_workload(name: str | FileWorkload, num_requests: int, *, seed: int = 0, mean_output_tokens: int = 64,
+@dataclass(frozen=True)
+class BuiltinWorkload:
+    """A packaged workload by name (WORKLOADS): prompts from the packaged data sets, seeded lognormal lengths."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.name not in WORKLOADS:
+            raise DataError(f"unknown workload {self.name!r}: choose one of {', '.join(WORKLOADS)}")
+
+    def __str__(self) -> str:
+        return self.name
+
+    def describe(self) -> str:
+        return self.name
+
+    def attach_length_probe(self, url: str, model: str, *, name: str, api_key: str | None = None) -> None:
+        """Every request's length is drawn, so there is nothing to measure."""
+
+    def requests(self, n: int, *, seed: int, max_output_tokens: int,
+                 mean_output_tokens: int = 64) -> list[BenchRequest]:
+        if n <= 0 or mean_output_tokens <= 0 or max_output_tokens < _MIN_OUTPUT_TOKENS:
+            raise DataError("num_requests and mean_output_tokens must be > 0 and max_output_tokens >= 4")
+        rng = np.random.default_rng(seed)
+        if self.name == "mixed":
+            kinds = [str(k) for k in rng.choice(["code", "summarization"], size=n)]
+        else:
+            kinds = [self.name] * n
+        pools = {"code": code_prompts(), "summarization": summarization_prompts()}
+        if self.name == "long":
+            pools = {"long": long_document_prompts()}
+        orders = {k: rng.permutation(len(pool)) for k, pool in pools.items()}
+        taken = {k: 0 for k in pools}
+        requests = []
+        for i, kind in enumerate(kinds):
+            pool, order = pools[kind], orders[kind]
+            prompt = pool[order[taken[kind] % len(pool)]]
+            taken[kind] += 1
+            (length,) = output_lengths(kind, 1, rng, mean_output_tokens, max_output_tokens)
+            requests.append(BenchRequest(i, kind, prompt, length))
+        return requests
+
+
+def as_workload(workload: str | Workload) -> Workload:
+    """A built-in workload's name becomes its BuiltinWorkload; any other Workload passes through."""
+    if isinstance(workload, str):
+        return BuiltinWorkload(workload)
+    if not isinstance(workload, Workload):
+        raise DataError(f"{workload!r} is not a workload: pass one of {', '.join(WORKLOADS)} or a workload file")
+    return workload
+
+
+def build_workload(name: str | Workload, num_requests: int, *, seed: int = 0, mean_output_tokens: int = 64,
                    max_output_tokens: int = 256) -> list[BenchRequest]:
-    """`num_requests` requests of the named workload; the same seed gives the same prompts and lengths."""
-    if not isinstance(name, str):  # a user's workload file (workload_files.py)
-        return name.requests(num_requests, seed=seed, max_output_tokens=max_output_tokens)
-    if name not in WORKLOADS:
-        raise DataError(f"unknown workload {name!r}: choose one of {', '.join(WORKLOADS)}")
-    if num_requests <= 0 or mean_output_tokens <= 0 or max_output_tokens < _MIN_OUTPUT_TOKENS:
-        raise DataError("num_requests and mean_output_tokens must be > 0 and max_output_tokens >= 4")
-    rng = np.random.default_rng(seed)
-    if name == "mixed":
-        kinds = [str(k) for k in rng.choice(["code", "summarization"], size=num_requests)]
-    else:
-        kinds = [name] * num_requests
-    pools = {"code": code_prompts(), "summarization": summarization_prompts()}
-    if name == "long":
-        pools = {"long": long_document_prompts()}
-    orders = {k: rng.permutation(len(pool)) for k, pool in pools.items()}
-    taken = {k: 0 for k in pools}
-    requests = []
-    for i, kind in enumerate(kinds):
-        pool, order = pools[kind], orders[kind]
-        prompt = pool[order[taken[kind] % len(pool)]]
-        taken[kind] += 1
-        (length,) = output_lengths(kind, 1, rng, mean_output_tokens, max_output_tokens)
-        requests.append(BenchRequest(i, kind, prompt, length))
-    return requests
+    """`num_requests` requests of the workload (a built-in's name or any Workload); the same seed gives the same
+    prompts and lengths."""
+    return as_workload(name).requests(num_requests, seed=seed, mean_output_tokens=mean_output_tokens,
+                                      max_output_tokens=max_output_tokens)
+
+
+def describe_workload(workload: str | Workload) -> Any:
+    """The report's `config.workload`: a built-in's name, a workload file's paths, hashes and length sources."""
+    return as_workload(workload).describe()
 
 
 def arrival_offsets(n: int, rate: float | None, *, seed: int = 0) -> list[float]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .params import EngineInputError
+from .speculative_spec import SpeculativeSpec
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 BATCHING_MODES = ("continuous", "static")
@@ -70,9 +71,11 @@ class EngineConfig:
         # start-up time: the proposer check lives with the proposers, whose package loads torch
         from .speculative import SpeculativeConfigError, check_speculative_args
 
-        # bad flags fail here, before any model loads; the proposer spec is kept normalized (None = off)
-        object.__setattr__(self, "speculative", check_speculative_args(self.speculative,
-                                                                       self.num_speculative_tokens))
+        # bad flags fail here, before any model loads: the proposer is parsed once, its string kept normalized
+        # (None = off) for the CLI and the JSON, its value for the engine (speculative_spec)
+        spec = check_speculative_args(self.speculative, self.num_speculative_tokens)
+        object.__setattr__(self, "speculative", None if spec is None else str(spec))
+        object.__setattr__(self, "_speculative_spec", spec)
         if not _positive_int(self.max_verify_tokens):
             raise SpeculativeConfigError(f"max_verify_tokens must be positive, got {self.max_verify_tokens}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -85,6 +88,11 @@ class EngineConfig:
         if self.max_model_len is not None and not _positive_int(self.max_model_len):
             raise EngineInputError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         parse_memory(self.kv_cache_memory)
+
+    @property
+    def speculative_spec(self) -> SpeculativeSpec | None:
+        """The proposer as parsed when this config was built; None without speculation."""
+        return self._speculative_spec  # type: ignore[attr-defined]
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -50,7 +50,7 @@ class Engine:
         """`config` holds every engine option (EngineConfig's defaults when None); `options` replace single
         fields of it, e.g. Engine(model, kv_cache_memory="256MiB"). Bad options fail before the model loads."""
         self.config = config = (config or EngineConfig()).replace(**options)
-        spec, dtype, block_size = config.speculative, config.dtype, config.block_size
+        spec, dtype, block_size = config.speculative_spec, config.dtype, config.block_size
         max_num_seqs, num_speculative_tokens = config.max_num_seqs, config.num_speculative_tokens
         max_verify_tokens = config.max_verify_tokens
         self.source = model if isinstance(model, ModelSource) else resolve_model(model)
@@ -160,9 +160,7 @@ class Engine:
         out = seq.report()
         if self.speculator is None:
             return out
-        usage = self.speculator.usage_of(seq.request_id)
-        return dataclasses.replace(out, num_draft_tokens=usage.drafted, num_accepted_tokens=usage.accepted,
-                                   num_spec_steps=usage.steps)
+        return dataclasses.replace(out, speculative=self.speculator.usage_of(seq.request_id))
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> (propose drafts) -> run -> sample (or verify drafts) -> commit."""

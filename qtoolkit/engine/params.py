@@ -41,33 +41,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@dataclass
-class RequestOutput:
-    """One request's report from one step: the delta since the last report plus the cumulative output."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    num_prompt_tokens: int
-    num_output_tokens: int
-    text: str
-    token_ids: list[int]
-    # speculative decoding, cumulative for the request (all 0 without a proposer)
-    num_draft_tokens: int = 0  # tokens proposed and verified
-    num_accepted_tokens: int = 0  # of those, accepted by the target
-    num_spec_steps: int = 0  # verification steps that carried at least one proposal
-
-    def speculative_usage(self) -> SpeculativeUsage:
-        """Per-request acceptance figures for the API usage block."""
-        return SpeculativeUsage(self.num_draft_tokens, self.num_accepted_tokens, self.num_spec_steps)
-
-
 @dataclass(frozen=True)
 class SpeculativeUsage:
-    """What speculation did for some requests; the one place its derived figures are computed (the engine's
-    stats, the API usage block, a bench tier's summary and the difference of two /metrics scrapes use it)."""
+    """What speculation did for some requests: the one speculative-usage type (a request's running figures in the
+    Speculator and its RequestOutput, the API usage block, a bench tier's summary, the engine's stats and the
+    difference of two /metrics scrapes) and the one place its derived figures are computed."""
 
     draft_tokens: int = 0  # tokens proposed and verified
     accepted_tokens: int = 0  # of those, accepted by the target
@@ -93,11 +71,28 @@ class SpeculativeUsage:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeculativeUsage:
-        """A usage block as a server sent it; one without verify_steps (an older qtool server) gets them back
-        from its mean accepted length."""
+        """A usage block as a server sent it; a block that gives only the mean accepted length (no verify_steps)
+        gets its verifications back from it."""
         drafted, accepted = int(d.get("draft_tokens", 0)), int(d.get("accepted_tokens", 0))
         steps = d.get("verify_steps")
         if steps is None:
             length = d.get("mean_accepted_length") or 0.0
             steps = round(accepted / (length - 1)) if length > 1 else 0
         return cls(drafted, accepted, int(steps))
+
+
+@dataclass
+class RequestOutput:
+    """One request's report from one step: the delta since the last report plus the cumulative output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    text: str
+    token_ids: list[int]
+    # speculative decoding, cumulative for the request (all 0 without a proposer): the API usage block's figures
+    speculative: SpeculativeUsage = field(default_factory=SpeculativeUsage)

@@ -133,7 +133,7 @@ class Generation:
         """Usage-block extension: this request's speculative decoding figures, when the engine speculates."""
         if self.driver.engine.config.speculative is None:
             return {}
-        usage = sum((f.speculative_usage() for f in self.final if f is not None), SpeculativeUsage())
+        usage = sum((f.speculative for f in self.final if f is not None), SpeculativeUsage())
         return {"speculative": usage.as_dict()}
 
     def close(self) -> None:

@@ -62,9 +62,9 @@ def _check(cfg: SignoffConfig) -> Policy:
 def _check_speculative(speculative: str | None, source: ModelSource) -> None:
     """A bad --speculative (or an EAGLE-3 head that does not fit the model) fails here, before any work, not at
     the bench step after quantization and evals."""
-    spec = EngineConfig(speculative=speculative).speculative
-    if spec is not None and spec.startswith("eagle3:"):
-        folder = Path(spec.partition(":")[2])
+    spec = EngineConfig(speculative=speculative).speculative_spec
+    if spec is not None and spec.kind == "eagle3":
+        folder = Path(str(spec.path))
         check_fits(folder, read_head_config(folder), ModelConfig.from_hf(source.config))
 
 

@@ -5,13 +5,14 @@ it cannot use."""
 
 from __future__ import annotations
 
-from .base import MAX_SPECULATIVE_TOKENS, Proposal, Proposer, SpeculativeConfigError
-from .builder import USAGE, build_proposer, check_speculative_args
+from ..speculative_spec import USAGE, SpeculativeConfigError, SpeculativeSpec
+from .base import MAX_SPECULATIVE_TOKENS, Proposal, Proposer
+from .builder import build_proposer, check_speculative_args
 from .metrics import SpeculativeMetrics
 from .policy import DEFAULT_MAX_VERIFY_TOKENS, SpeculationPolicy
 from .speculator import Speculator
 from .verify import verify
 
 __all__ = ["MAX_SPECULATIVE_TOKENS", "DEFAULT_MAX_VERIFY_TOKENS", "USAGE", "Proposal", "Proposer",
-           "SpeculationPolicy", "SpeculativeConfigError", "SpeculativeMetrics", "Speculator", "build_proposer",
+           "SpeculationPolicy", "SpeculativeConfigError", "SpeculativeMetrics", "SpeculativeSpec", "Speculator", "build_proposer",
            "check_speculative_args", "verify"]

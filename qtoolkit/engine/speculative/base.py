@@ -8,14 +8,9 @@ from typing import Protocol
 
 import torch
 
-from ...errors import QToolError
 from ..sequence import Sequence
 
 MAX_SPECULATIVE_TOKENS = 16  # past this a verify step is a prefill: acceptance decays geometrically anyway
-
-
-class SpeculativeConfigError(QToolError):
-    """Speculative decoding cannot start as configured (unknown proposer, bad k, unusable draft)."""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`--speculative VALUE` -> a proposer: validated before anything loads, built at start-up, one-line errors."""
+"""A parsed `--speculative` value (SpeculativeSpec) -> a proposer: the flags checked before anything loads, the proposer built at start-up, one-line errors."""
 
 from __future__ import annotations
 
@@ -9,24 +9,21 @@ from ...model.llama import LlamaModel
 from ...model.loader import load_model
 from ...model.sources import resolve_model
 from ..model_runner import ModelRunner
-from .base import MAX_SPECULATIVE_TOKENS, Proposer, SpeculativeConfigError
+from ..speculative_spec import SpeculativeConfigError, SpeculativeSpec
+from .base import MAX_SPECULATIVE_TOKENS, Proposer
 from .draft import DraftModelProposer
 from .eagle3 import Eagle3Proposer
 from .ngram import NgramProposer
 from .self_draft import quantize_copy
 from .shared_kv import SharedKVDraftProposer, shares_kv_layout
 
-USAGE = "use ngram, draft:PATH, self-int4, self-fp8, self:PATH, eagle3:DIR (a `qtool train-draft` head) or none"
 
-
-def check_speculative_args(speculative: str | None, num_speculative_tokens: int) -> str | None:
-    """Validate the flags before anything loads; returns the normalized proposer spec (None = off)."""
-    if speculative is None or speculative.strip().lower() in ("", "none", "off"):
+def check_speculative_args(speculative: str | SpeculativeSpec | None,
+                           num_speculative_tokens: int) -> SpeculativeSpec | None:
+    """Validate the flags before anything loads; returns the parsed proposer (None = off)."""
+    spec = speculative if isinstance(speculative, SpeculativeSpec) else SpeculativeSpec.parse(speculative)
+    if spec is None:
         return None
-    spec = speculative.strip()
-    kind, _, path = spec.partition(":")
-    if not (spec in ("ngram", "self-int4", "self-fp8") or (kind in ("draft", "self", "eagle3") and path)):
-        raise SpeculativeConfigError(f"--speculative {speculative!r} is unknown: {USAGE}")
     if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
             or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise SpeculativeConfigError(f"--num-speculative-tokens {num_speculative_tokens!r} is out of range: give "
@@ -54,24 +51,25 @@ def _load_draft(path: str, target: LlamaModel, tokenizer, dtype: str) -> LlamaMo
     return model
 
 
-def build_proposer(spec: str, target: LlamaModel, tokenizer, *, num_blocks: int, block_size: int,
+def build_proposer(spec: SpeculativeSpec, target: LlamaModel, tokenizer, *, num_blocks: int, block_size: int,
                    dtype: str = "auto", target_runner: ModelRunner | None = None) -> Proposer:
-    """The proposer for a spec accepted by check_speculative_args. A self-draft (the target quantized, in memory
-    or from a checkpoint) reads the target's KV cache through `target_runner`; a `draft:` model keeps a cache
-    of its own with as many blocks as the target's; an `eagle3:` head reads the target's hidden states and is
-    refused (DraftHeadError, one line) when its hidden size, vocabulary or taps do not fit the target."""
-    if spec == "ngram":
+    """The proposer for a parsed spec. A self-draft (the target quantized, in memory or from a checkpoint) reads
+    the target's KV cache through `target_runner`; a `draft:` model keeps a cache of its own with as many blocks
+    as the target's; an `eagle3:` head reads the target's hidden states and is refused (DraftHeadError, one line)
+    when its hidden size, vocabulary or taps do not fit the target."""
+    name = str(spec)
+    if spec.kind == "ngram":
         return NgramProposer()
-    if spec.startswith("eagle3:"):
-        return Eagle3Proposer(load_head(spec.partition(":")[2], target.config, dtype=target.dtype), target, spec)
-    if spec in ("self-int4", "self-fp8"):
-        draft = quantize_copy(target, spec.removeprefix("self-"))
+    if spec.kind == "eagle3":
+        return Eagle3Proposer(load_head(str(spec.path), target.config, dtype=target.dtype), target, name)
+    if (fmt := spec.self_draft_format) is not None:
+        draft = quantize_copy(target, fmt)
     else:
-        draft = _load_draft(spec.partition(":")[2], target, tokenizer, dtype)
-        if spec.startswith("self:") and not shares_kv_layout(draft, target):
-            raise SpeculativeConfigError(f"--speculative {spec}: the checkpoint's layers, KV heads or dtype differ "
+        draft = _load_draft(str(spec.path), target, tokenizer, dtype)
+        if spec.kind == "self" and not shares_kv_layout(draft, target):
+            raise SpeculativeConfigError(f"--speculative {name}: the checkpoint's layers, KV heads or dtype differ "
                                          "from the target's, so it cannot read the target's cache: pass it as "
                                          "draft:PATH")
-    if spec.startswith("self") and target_runner is not None:
-        return SharedKVDraftProposer(draft, target_runner, name=spec)
-    return DraftModelProposer(draft, num_blocks, block_size, name=spec)
+    if spec.shares_target_kv and target_runner is not None:
+        return SharedKVDraftProposer(draft, target_runner, name=name)
+    return DraftModelProposer(draft, num_blocks, block_size, name=name)

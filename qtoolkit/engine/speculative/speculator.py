@@ -8,14 +8,15 @@ Drafts travel in the step's WorkItems; `seq.token_ids` only ever holds committed
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
 from ..block_manager import BlockManager
 from ..model_runner import ModelRunner
+from ..params import SpeculativeUsage
 from ..scheduler import WorkItem
 from ..sequence import Sequence
+from ..speculative_spec import SpeculativeSpec
 from .base import MAX_SPECULATIVE_TOKENS, Proposer
 from .builder import build_proposer
 from .eagle3 import Eagle3Proposer
@@ -30,20 +31,11 @@ CATCH_UP_RATIO = 2
 CATCH_UP_MIN_TOKENS = 128
 
 
-@dataclass
-class SpecUsage:
-    """One request's speculation so far, for its usage block."""
-
-    drafted: int = 0  # tokens proposed and verified
-    accepted: int = 0
-    steps: int = 0  # verification steps that carried at least one proposal
-
-
 class Speculator:
     def __init__(self, proposer: Proposer, policy: SpeculationPolicy, metrics: SpeculativeMetrics,
                  blocks: BlockManager):
         self.proposer, self.policy, self.metrics, self.blocks = proposer, policy, metrics, blocks
-        self.usage: dict[str, SpecUsage] = {}
+        self.usage: dict[str, SpeculativeUsage] = {}
         # a head fed with the target's own hidden states: the verification forward captures them for it
         self.features = proposer if isinstance(proposer, Eagle3Proposer) else None
         self.aux_layers = self.features.aux_layers if self.features is not None else ()
@@ -52,14 +44,14 @@ class Speculator:
         self.max_model_len = draft.config.max_position_embeddings if draft is not None else 1 << 62
 
     @classmethod
-    def build(cls, spec: str, model, tokenizer, runner: ModelRunner, blocks: BlockManager, *,
+    def build(cls, spec: SpeculativeSpec, model, tokenizer, runner: ModelRunner, blocks: BlockManager, *,
               num_speculative_tokens: int, max_verify_tokens: int, max_num_seqs: int, dtype: str) -> Speculator:
         # a draft's own KV holds what the target's does plus k lookahead slots per running sequence
         extra = max_num_seqs * -(-MAX_SPECULATIVE_TOKENS // blocks.block_size)
         proposer = build_proposer(spec, model, tokenizer, num_blocks=blocks.num_blocks + extra,
                                   block_size=blocks.block_size, dtype=dtype, target_runner=runner)
         return cls(proposer, SpeculationPolicy(num_speculative_tokens, max_verify_tokens),
-                   SpeculativeMetrics(spec, num_speculative_tokens, max_verify_tokens), blocks)
+                   SpeculativeMetrics(str(spec), num_speculative_tokens, max_verify_tokens), blocks)
 
     # -- propose --------------------------------------------------------------------------------------------
     def _cap(self, seq: Sequence, max_model_len: int, spare_tokens: int) -> int:
@@ -109,8 +101,7 @@ class Speculator:
         seq, k = item.seq, len(item.drafts)
         tokens = verify(logits, item.drafts, item.draft_probs, seq.params, seq.generator)
         accepted = len(tokens) - 1
-        usage = self.usage.setdefault(seq.request_id, SpecUsage())
-        usage.drafted, usage.accepted, usage.steps = usage.drafted + k, usage.accepted + accepted, usage.steps + 1
+        self.usage[seq.request_id] = self.usage_of(seq.request_id) + SpeculativeUsage(k, accepted, 1)
         self.policy.update(seq.request_id, k, accepted)
         self.metrics.record(k, accepted)
         return tokens
@@ -136,8 +127,8 @@ class Speculator:
             self.policy.observe_plain(len(work), seconds)
 
     # -- per request ------------------------------------------------------------------------------------------
-    def usage_of(self, request_id: str) -> SpecUsage:
-        return self.usage.get(request_id) or SpecUsage()
+    def usage_of(self, request_id: str) -> SpeculativeUsage:
+        return self.usage.get(request_id) or SpeculativeUsage()
 
     def release(self, seq: Sequence) -> None:
         """The request finished or was aborted (after its last report)."""

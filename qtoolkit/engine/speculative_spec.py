@@ -1,0 +1,64 @@
+"""The `--speculative` value as a value: which proposer, and the folder it reads when it reads one.
+
+It is parsed once, where the engine options are built (EngineConfig), and every consumer (the proposer builder,
+the sign-off's head check) reads its fields. The module loads no torch, so `qtool --help` and the config stay
+quick; `SpeculativeConfigError` lives here for the same reason (speculative/base.py re-exports it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import QToolError
+
+USAGE = "use ngram, draft:PATH, self-int4, self-fp8, self:PATH, eagle3:DIR (a `qtool train-draft` head) or none"
+OFF = ("", "none", "off")
+PLAIN_KINDS = ("ngram", "self-int4", "self-fp8")  # proposers that read no folder
+PATH_KINDS = ("draft", "self", "eagle3")  # proposers written KIND:PATH
+_FORMS = {"draft": "draft:PATH", "self": "self:PATH", "eagle3": "eagle3:DIR"}
+
+
+class SpeculativeConfigError(QToolError):
+    """Speculative decoding cannot start as configured (unknown proposer, bad k, unusable draft)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeSpec:
+    kind: str  # one of PLAIN_KINDS or PATH_KINDS
+    path: str | None = None  # the draft model, self-draft checkpoint or EAGLE-3 head folder of a PATH_KINDS
+
+    def __post_init__(self) -> None:
+        if self.kind in PLAIN_KINDS and self.path is None:
+            return
+        if self.kind in PATH_KINDS and self.path:
+            return
+        raise SpeculativeConfigError(f"--speculative {str(self)!r} is unknown: {USAGE}")
+
+    @classmethod
+    def parse(cls, value: str | None) -> SpeculativeSpec | None:
+        """`--speculative VALUE`; None for no speculation (none, off or empty). A bad value is one line naming
+        the accepted forms."""
+        if value is None or value.strip().lower() in OFF:
+            return None
+        text = value.strip()
+        if text in PLAIN_KINDS:
+            return cls(text)
+        kind, colon, path = text.partition(":")
+        if kind in PATH_KINDS and not (colon and path.strip()):
+            raise SpeculativeConfigError(f"--speculative {value!r} names no folder: write {_FORMS[kind]}")
+        if kind not in PATH_KINDS:
+            raise SpeculativeConfigError(f"--speculative {value!r} is unknown: {USAGE}")
+        return cls(kind, path.strip())
+
+    def __str__(self) -> str:
+        """The value as written on a command line (and the proposer's name in metrics and reports)."""
+        return self.kind if self.path is None else f"{self.kind}:{self.path}"
+
+    @property
+    def self_draft_format(self) -> str | None:
+        """int4 or fp8 for a target quantized in memory (self-int4, self-fp8); None otherwise."""
+        return self.kind.removeprefix("self-") if self.kind in ("self-int4", "self-fp8") else None
+
+    @property
+    def shares_target_kv(self) -> bool:
+        """A self-draft (in memory or a `self:` checkpoint) reads the target's KV cache."""
+        return self.kind == "self" or self.self_draft_format is not None
