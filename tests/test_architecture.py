@@ -10,7 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # folder -> the package it installs as (setup.py's ROOTS)
 PACKAGES = {"qtoolkit": "qtoolkit", "evals": "qtoolkit.evals", "kernels": "qtoolkit.kernels"}
-MAX_FUNCTION_LINES = 100
+MAX_FUNCTION_LINES = 80
+# the top level of qtoolkit/ is the foundation every room stands on, and the CLI; everything else lives in a room
+FOUNDATION = {"__init__", "__main__", "cli", "errors", "io", "launch", "progress", "provenance", "yaml_safe"}
 # split by another change in flight; removed when that change lands
 LONG_FUNCTIONS_ALLOWED: set[str] = set()
 # Imports inside functions are allowed where start-up time demands them (`qtool --help` builds every command's
@@ -47,11 +49,11 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.Module):
-    """(import node, inside a function?) for every import, TYPE_CHECKING blocks left out."""
+def _imports(tree: ast.Module, type_checking: bool = False):
+    """(import node, inside a function?) for every import; TYPE_CHECKING blocks only when `type_checking`."""
     def walk(body, in_function):
         for node in body:
-            if isinstance(node, ast.If) and _is_type_checking(node):
+            if isinstance(node, ast.If) and _is_type_checking(node) and not type_checking:
                 yield from walk(node.orelse, in_function)
                 continue
             if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -85,7 +87,8 @@ def _ours(name: str) -> str | None:
 def _graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in MODULES}
     for module, path in MODULES.items():
-        for node, in_function in _imports(ast.parse(path.read_text())):
+        # TYPE_CHECKING imports count: a cycle closed only for the type checker is still a cycle in the design
+        for node, in_function in _imports(ast.parse(path.read_text()), type_checking=True):
             if in_function:
                 continue
             for name in _targets(module, path, node):
@@ -139,7 +142,7 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_no_function_over_100_lines():
+def test_no_function_over_80_lines():
     long = set()
     for path in MODULES.values():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -197,3 +200,21 @@ def test_architecture_lists_every_module_and_only_those():
     modules = {_rel(p) for p in MODULES.values() if p.name not in ("__init__.py", "__main__.py")}
     listed = set(re.findall(r"`((?:qtoolkit|evals|kernels)/[\w/]+\.py)`", text))
     assert sorted(modules - listed) == [] and sorted(p for p in listed if not (ROOT / p).is_file()) == []
+
+
+def test_top_level_holds_only_the_foundation():
+    top = {p.stem for p in (ROOT / "qtoolkit").glob("*.py")}
+    assert sorted(top - FOUNDATION) == []
+
+
+def test_every_room_says_what_it_is_for():
+    """Each subpackage's __init__ opens with a docstring naming its responsibility."""
+    missing = [_rel(p) for p in MODULES.values() if p.name == "__init__.py" and p.parent != ROOT / "qtoolkit"
+               and not ast.get_docstring(ast.parse(p.read_text()))]
+    assert missing == []
+
+
+def test_measurements_hold_evidence_not_code():
+    """measurements/ holds results (JSON, MD, plots) and the commands behind them, no Python reaching into the
+    package: a check that asserts an outcome is a test, a re-runnable benchmark is a `qtool` command."""
+    assert sorted(_rel(p) for p in (ROOT / "measurements").rglob("*.py")) == []

@@ -218,7 +218,9 @@ def test_int4_checkpoint_loads_with_int4_experts_and_matches_fake_quant(family, 
     for g, w in zip(got, want, strict=True):
         assert (g.argmax(-1) == w.argmax(-1)).float().mean() >= 0.9 and (g - w).abs().mean() < 0.05, name
     # with every call on the dequantize + sgemm path the engine computes W4A16 exactly: the reference's numbers
+    # (an engine built after the change: each Linear binds its GEMV and row limit at load)
     monkeypatch.setattr(dispatch, "INT4_GEMV_MAX_M", 0)
+    engine = make(out)
     for g, w in zip(engine.score([short, long]), want, strict=True):
         torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4)
     assert greedy(engine, [SHORT], [8]) == [hf_greedy(ref, tok, SHORT, 8)], name
@@ -327,13 +329,14 @@ def test_int8_and_fp8_experts_match_fake_quant(wide_moe, recipe, kind, tmp_path,
     from transformers import AutoTokenizer
 
     out = quantize_cli(wide_moe, recipe, tmp_path / recipe)
+    # the dequantize + sgemm path: exact W8A16 (set before the engine loads: each Linear binds its GEMV row limit)
+    for name in ("GEMV_MAX_M", "FP8_GEMV_MAX_M"):
+        monkeypatch.setattr(dispatch, name, 0)
     engine = make(out)
     block = engine.model.layers[0].mlp
     assert {e.gate_up_proj.kind for e in block.experts} == {e.down_proj.kind for e in block.experts} == {kind}
     ref = fake_quant_reference(wide_moe, out)
     ids = AutoTokenizer.from_pretrained(out)(LONG).input_ids
-    for name in ("GEMV_MAX_M", "FP8_GEMV_MAX_M"):  # the dequantize + sgemm path: exact W8A16
-        monkeypatch.setattr(dispatch, name, 0)
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0].log_softmax(-1)
     torch.testing.assert_close(engine.score([ids])[0], want, atol=2e-4, rtol=1e-4)

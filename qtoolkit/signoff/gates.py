@@ -14,10 +14,12 @@ else PASS; ERROR when a step failed. Exit codes: 0 PASS, 1 FAIL, 2 ERROR, 3 INCO
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..evals.results import EvalResults
 from ..evals.summary import Figure, PairedDelta
+
+if TYPE_CHECKING:  # `qtool --help` reads EXIT_CODES from here and must not import torch (evals.results does)
+    from ..evals.results import EvalResults
 
 PASS, FAIL, INCONCLUSIVE, NO_EVIDENCE = "PASS", "FAIL", "INCONCLUSIVE", "NO EVIDENCE"
 # ERROR is an overall verdict only: a step did not finish, so no gate could judge the candidate
