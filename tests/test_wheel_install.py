@@ -70,6 +70,9 @@ def test_wheel_and_sdist_hold_every_source_file(dist):
     wheel = zipfile.ZipFile(next(dist.glob("qtoolkit-*.whl")))
     missing = tracked_package_files() - set(wheel.namelist())
     assert not missing, f"files of the source tree missing from the wheel: {sorted(missing)[:10]}"
+    # and nothing else: a module left in build/ by an earlier build must not ship
+    extra = {n for n in wheel.namelist() if n.endswith(".py")} - tracked_package_files()
+    assert not extra, f"Python files in the wheel that the source tree does not have: {sorted(extra)[:10]}"
     with tarfile.open(next(dist.glob("qtoolkit-*.tar.gz"))) as sdist:
         names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
     listed = subprocess.run(["git", "ls-files", *ROOTS], cwd=REPO, capture_output=True, text=True, check=True)
