@@ -15,6 +15,7 @@ from qtoolkit.model.sources import resolve_model
 from qtoolkit.progress import bar, status
 
 from .backends.base import Backend
+from .backends.cached import CachedGenerations
 from .backends.factory import make_backend
 from .registry import make_task, parse_tasks
 from .results import EvalResults, ResultsFile
@@ -42,6 +43,9 @@ class EvalConfig:
     # weights with the unquantized cache measures what the cache alone costs
     kv_cache_dtype: str = "auto"
     baseline_kv_cache_dtype: str = "auto"
+    # a JSONL file of the baseline's completions (evals/backends/cached.py): a multi-recipe sign-off generates
+    # them once for all its candidates
+    baseline_generations: str | None = None
 
 
 def model_identity(spec: str | None, endpoint: str | None, backend: str,
@@ -58,8 +62,9 @@ def model_identity(spec: str | None, endpoint: str | None, backend: str,
 class _LazyPair:
     """Candidate and baseline backends, built on first use."""
 
-    def __init__(self, cfg: EvalConfig):
+    def __init__(self, cfg: EvalConfig, baseline_identity: dict[str, Any]):
         self.cfg = cfg
+        self.baseline_identity = baseline_identity
         self.pair: tuple[Backend, Backend] | None = None
 
     def get(self) -> tuple[Backend, Backend]:
@@ -73,6 +78,8 @@ class _LazyPair:
             base = make_backend(c.baseline, kind=c.backend, endpoint=c.baseline_endpoint,
                                 tokenizer_from=c.baseline or c.model, kv_cache_dtype=c.baseline_kv_cache_dtype,
                                 **ids[1])
+            if c.baseline_generations:
+                base = CachedGenerations(base, c.baseline_generations, self.baseline_identity)
             check_same_vocabulary(cand, base)
             self.pair = (cand, base)
         return self.pair
@@ -101,7 +108,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
                                 # the sequential sign-off's look sets the level (qtoolkit/signoff/error_spending.py)
                                 "bootstrap": {"resamples": N_RESAMPLES, "confidence": current_confidence(),
                                               "unit": "item (paired)"}})
-    models = _LazyPair(cfg)
+    models = _LazyPair(cfg, identities["baseline"])
     for name in names:
         task = built[name]
         items = task.items(cfg.limit or task.default_limit)

@@ -173,3 +173,40 @@ def test_report_bench_figures_match_standalone_bench_serve(run_dir, tiny_model_d
             for key in ("num_requests", "completed", "failed", "prompt_tokens", "output_tokens"):
                 assert a[key] == b[key], (mode, key)
             assert set(a) == set(b)  # the same summary fields, so every figure is comparable one to one
+
+
+def test_sweep_over_recipes_keeps_single_verdicts_generates_the_baseline_once_and_resumes(run_dir, tiny_model_dir,
+                                                                                         tmp_path, capsys):
+    """`--recipe int4-rtn,int3-rtn-canary`: each candidate's report is its single sign-off's, the second candidate
+    reads every baseline completion from the first's, the exit code is the recommendation's, a rerun resumes."""
+    out = tmp_path / "sweep"
+    argv = ["signoff", "--model", str(tiny_model_dir), "--recipe", "int4-rtn,int3-rtn-canary", *ARGS,
+            "--output", str(out)]
+    code = main(argv)
+    sweep = json.loads((out / "report.json").read_text())
+    assert code == sweep["exit_code"] and capsys.readouterr().out.startswith(sweep["line"])
+    assert {c["name"] for c in sweep["candidates"]} == {"int4-rtn", "int3-rtn-canary"}
+    assert (sweep["recommended"] is None) == (code != 0)
+    single = json.loads((run_dir / "report.json").read_text())
+    cand = json.loads((out / "candidates" / "int4-rtn" / "report.json").read_text())
+    timed = {"throughput.min_speedup"}
+    assert ({g["name"]: g for g in cand["gates"] if g["name"] not in timed}
+            == {g["name"]: g for g in single["gates"] if g["name"] not in timed})
+    if any(g["verdict"] == "FAIL" for g in single["gates"]):
+        assert cand["verdict"] == single["verdict"] == "FAIL"
+    canary = json.loads((out / "candidates" / "int3-rtn-canary" / "eval.json").read_text())
+    cache = canary["models"]["baseline"]["generations_cache"]
+    assert cache["misses"] == 0 and cache["hits"] > 0
+    for c in sweep["candidates"]:  # a candidate that already fails a gate is not benchmarked; the others are
+        bench = json.loads((out / "candidates" / c["name"] / "steps.json").read_text())["bench"]
+        if bench["status"] == "skipped":
+            assert "already fails" in bench["reason"] and c["verdict"] == "FAIL"
+        else:
+            assert bench["status"] == "ok"
+    md = (out / "report.md").read_text()
+    assert md.startswith("# Release sign-off over 2 candidates") and "fallback procedure" in md
+    assert 'id="plot-pareto"' in (out / "report.html").read_text()
+    assert main(argv) == code  # resumes: nothing runs again
+    for name in ("int4-rtn", "int3-rtn-canary"):
+        steps = json.loads((out / "candidates" / name / "report.json").read_text())["steps"]
+        assert all(s.get("skipped") or s["status"] == "skipped" for s in steps.values())

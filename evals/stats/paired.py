@@ -191,14 +191,17 @@ def paired_delta(candidate: Sequence[float], baseline: Sequence[float], weights:
 
 
 def ratio_over_rounds(candidate: Sequence[float], baseline: Sequence[float],
-                      confidence: float = CONFIDENCE) -> dict[str, Any]:
-    """Geometric mean of paired per-round ratios candidate/baseline and its t-interval over rounds.
+                      confidence: float | None = None) -> dict[str, Any]:
+    """Geometric mean of paired per-round ratios candidate/baseline and its t-interval over rounds, at
+    `confidence` (default: the level `confidence_level` sets, 95% outside one; a sweep judges its candidates'
+    throughput at the family-wise level this way).
 
     For throughput measured in repeated rounds (both systems run back to back in each round): a round's ratio
     carries that round's drift on both sides, and the spread between rounds is what a rerun would see. Rounds are
     few, so the interval uses Student's t on the log ratios rather than a bootstrap (which needs many items); the
     harness (evals/stats/coverage.py, shape "rounds") measures its coverage over 2-10 rounds.
     """
+    confidence = current_confidence() if confidence is None else confidence
     c, b = np.asarray(candidate, dtype=np.float64), np.asarray(baseline, dtype=np.float64)
     if c.shape != b.shape or c.size == 0 or np.any(c <= 0) or np.any(b <= 0):
         raise ValueError("ratio_over_rounds needs the same number (> 0) of positive figures on both sides")

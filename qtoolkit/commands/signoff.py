@@ -22,6 +22,7 @@ EXAMPLES = """\
 examples:
   qtool signoff --model default --recipe fp8-dynamic --output runs/signoff-fp8
   qtool signoff --model default --recipe int3-rtn-canary --output runs/canary   # must FAIL (exit 1)
+  qtool signoff --model default --recipe fp8-dynamic,int4-rtn,int3-rtn-canary --output runs/sweep  # which to ship
   qtool signoff --model ./my-model --recipe ./llmcompressor-recipe.yaml --policy ./policy.yaml --output runs/x
 """
 
@@ -38,7 +39,8 @@ def _ints(text: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="`default`, a Hugging Face folder or a .gguf file")
-    p.add_argument("--recipe", help="recipe name in recipes/ or a YAML path (not with --candidate-endpoint: the "
+    p.add_argument("--recipe", help="recipe name in recipes/ or a YAML path; several, comma-separated, sign off each "
+                   "against one baseline and recommend the cheapest that passes (not with --candidate-endpoint: the "
                    "served checkpoint is already quantized)")
     p.add_argument("--policy", default="default", help="policy name in recipes/policies/ or a YAML path")
     p.add_argument("--limit", type=int, default=8, help="items per eval task (small keeps the run to minutes)")
@@ -77,15 +79,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # start-up time (`qtool --help` imports every command): the sign-off loads the evals, llm-compressor, torch
     from qtoolkit.signoff.run import SignoffConfig, signoff
+    from qtoolkit.signoff.sweep import recipe_list, signoff_sweep
 
     deployed = args.candidate_endpoint or args.baseline_endpoint
     if bool(args.recipe) == bool(deployed):
         raise QToolError("pass --recipe R (quantize and serve here) or --candidate-endpoint with --baseline-endpoint "
                          "(sign off served deployments), not both or neither")
     endpoint, _ = resolve_server(args.base_url, args.endpoint, ("/v1/completions",))
+    several = args.recipe is not None and len(recipe_list(args.recipe)) > 1
+    if several and args.rejudge:
+        raise QToolError("--rejudge takes one recipe; to judge a sweep again rerun the same command: its finished "
+                         "steps are reused")
     # stdout carries the verdict; llm-compressor's loguru sink binds to whatever sys.stdout is at its import
     with contextlib.redirect_stdout(sys.stderr):
-        report = signoff(SignoffConfig(
+        report = (signoff_sweep if several else signoff)(SignoffConfig(
             model=args.model, recipe=args.recipe, output=args.output, policy=args.policy, limit=args.limit,
             endpoint=endpoint, concurrency=args.concurrency, num_requests=args.num_requests, rounds=args.rounds,
             max_items=max(DEFAULT_MAX_ITEMS, args.limit) if args.max_items is None else args.max_items,
@@ -94,8 +101,19 @@ def run(args: argparse.Namespace) -> int:
             candidate_endpoint=args.candidate_endpoint, baseline_endpoint=args.baseline_endpoint,
             baseline=args.baseline, candidate_model_id=args.candidate_model_id,
             baseline_model_id=args.baseline_model_id, data=args.data))
+    if several:
+        return _print_sweep(report, args.output)
     print(f"verdict: {report['verdict']}")
     for reason in report["reasons"]:
         print(f"  - {reason}")
     print(f"report: {args.output}/report.html (also report.md, report.json)")
     return EXIT_CODES[report["verdict"]]
+
+
+def _print_sweep(report: dict, output: str) -> int:
+    print(report["line"])
+    for c in report["candidates"]:
+        print(f"  {c['name']}: {c['verdict']} (at its family share {c['family_alpha']:.2%}: {c['family_verdict']})"
+              + (f" - {c['error']}" if c.get("error") else ""))
+    print(f"report: {output}/report.html (also report.md, report.json; each candidate's under candidates/)")
+    return int(report["exit_code"])

@@ -211,7 +211,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", "## How to read this verdict", ""] + [f"- {n}" for n in report["reading"]]
     lines += ["", "## Steps", "", "| step | status | seconds | note |", "|---|---|---|---|"]
     for name, s in report["steps"].items():
-        note = s.get("error", "reused" if s.get("skipped") else "")
+        note = s.get("error") or s.get("reason") or ("reused" if s.get("skipped") else "")
         lines.append(f"| {name} | {s.get('status')} | {_fmt(s.get('seconds'))} | {_cell(note)} |")
     lines += deployment_lines(report)  # endpoints, their bench tiers, what they cannot give (deployment sign-off)
     ab = report.get("ablation")

@@ -8,6 +8,7 @@ and the verdict can then only be FAIL.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -105,29 +106,44 @@ class _Run:
     data: list[dict[str, str]] | None = None  # the workload files' hashes, in the steps' reuse keys
 
     def steps(self) -> None:
+        """quantize -> eval -> bench -> diagnose, each run or reused."""
+        self.quality()
+        if self.quant:
+            self.bench_step()
+        else:
+            self.results["bench"] = {"status": "error", "error": "skipped: no quantized checkpoint"}
+        self.diagnose_step(lambda path: write_json(path, diagnose(
+            str(self.source.path), batches=self.cfg.diagnose_batches, prompt_lengths=(64, 512)).to_json()))
+
+    @property
+    def cand_key(self) -> str:
+        """The candidate is identified by what made it: the source weights and the recipe."""
+        assert self.quant is not None
+        return f"{self.source.sha256}:{self.quant.recipe.sha256}"
+
+    def quality(self) -> None:
+        """Quantize, then evaluate the candidate against the baseline (when quantizing worked)."""
         cfg, out, source = self.cfg, self.out, self.source
         self.results = {}
         self.tasks = custom_signoff.eval_tasks(self.policy, cfg.data)
         self.data = custom_signoff.data_inputs(cfg.data)
         ckpt = out / "checkpoint"
-        recipe = self.recipe
         self.results["quantize"] = self.runner.run(
-            "quantize", {"model": source.sha256, "recipe": recipe.sha256}, ckpt / "quantize_report.json",
+            "quantize", {"model": source.sha256, "recipe": self.recipe.sha256}, ckpt / "quantize_report.json",
             lambda: quantize(source.path, cfg.recipe, ckpt, overwrite=True))
         self.quant = QuantizeReport.load(ckpt / "quantize_report.json") if self.results["quantize"]["status"] == "ok" \
             else None
         if self.quant:
-            # the candidate is identified by what made it: the source weights and the recipe
-            cand_key = f"{source.sha256}:{self.quant.recipe.sha256}"
-            self.eval_step(cand_key)
-            self.bench_step(cand_key)
+            self.eval_step(self.cand_key)
         else:
-            for name in ("eval", "bench"):
-                self.results[name] = {"status": "error", "error": "skipped: no quantized checkpoint"}
+            self.results["eval"] = {"status": "error", "error": "skipped: no quantized checkpoint"}
+
+    def diagnose_step(self, write: Callable[[Path], None]) -> None:
+        """The baseline model's diagnosis (`write(path)` produces it: measured, or copied from a sweep's one)."""
+        path = self.out / "diagnose.json"
         self.results["diagnose"] = self.runner.run(
-            "diagnose", {"model": source.sha256, "batches": cfg.diagnose_batches}, out / "diagnose.json",
-            lambda: write_json(out / "diagnose.json", diagnose(str(source.path), batches=cfg.diagnose_batches,
-                                                               prompt_lengths=(64, 512)).to_json()))
+            "diagnose", {"model": self.source.sha256, "batches": self.cfg.diagnose_batches}, path,
+            lambda: write(path))
 
     def eval_step(self, cand_key: str) -> None:
         cfg, policy, out, tasks, data = self.cfg, self.policy, self.out, self.tasks, self.data
@@ -143,7 +159,8 @@ class _Run:
                                 tasks=",".join(only) if only else tasks, output=str(out / "eval.json"),
                                 limit=items, endpoint=cfg.endpoint, seed=cfg.seed, overwrite=overwrite,
                                 task_options={"allow_weak_sandbox": cfg.allow_weak_sandbox,
-                                              "custom_data": custom_tasks(cfg.data)}))
+                                              "custom_data": custom_tasks(cfg.data)},
+                                baseline_generations=cfg.baseline_generations))
 
         def judge() -> tuple[list[Gate], list[Gate]]:
             evals = EvalResults.load(out / "eval.json")
@@ -157,7 +174,7 @@ class _Run:
 
         self.results["eval"] = self.runner.run("eval", inputs, out / "eval.json", do_eval)
 
-    def bench_step(self, cand_key: str) -> None:
+    def bench_step(self) -> None:
         cfg, policy, out, data = self.cfg, self.policy, self.out, self.data
         quantization_gate = policy.throughput.min_quantization_speedup is not None
 
@@ -170,7 +187,7 @@ class _Run:
                 rounds=cfg.rounds, repeat=tuple(repeat),
                 workload=custom_signoff.bench_workload(cfg.data, out / "eval.json")))
 
-        inputs = {"candidate": cand_key, "baseline": self.source.sha256, "systems": [s.label for s in BASE_SYSTEMS],
+        inputs = {"candidate": self.cand_key, "baseline": self.source.sha256, "systems": [s.label for s in BASE_SYSTEMS],
                   "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
                   "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed, "speculative": cfg.speculative,
                   "rounds": cfg.rounds, "quantization_gate": quantization_gate, **({"data": data} if data else {})}

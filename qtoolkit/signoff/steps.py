@@ -44,6 +44,8 @@ class SignoffConfig:
     candidate_model_id: str | None = None
     baseline_model_id: str | None = None
     data: list[str] = field(default_factory=list)  # workload files: custom:STEM tasks and the bench's traffic
+    # the baseline's completions on disk (evals/backends/cached.py): a sweep over several recipes generates them once
+    baseline_generations: str | None = None
 
 
 
@@ -65,6 +67,13 @@ class StepRunner:
         be resumed rather than discarded)."""
         prev = self.state.get(name) or {}
         return prev.get("key") == self.key(inputs) and prev.get("status") != "ok"
+
+    def skip(self, name: str, reason: str) -> dict[str, Any]:
+        """Record that a step was not needed (a sweep does not benchmark a candidate a gate has already failed)."""
+        self.state[name] = {"status": "skipped", "reason": reason}
+        write_json(self.path, self.state)
+        status(f"{name}: skipped: {reason}")
+        return self.state[name]
 
     def run(self, name: str, inputs: dict[str, Any], output: Path, fn: Callable[[], None]) -> dict[str, Any]:
         """Run `fn` unless an earlier run with the same inputs finished it. "ok" is recorded only after `fn` has

@@ -96,7 +96,9 @@ def decide(evidence: Evidence, *, provenance: dict[str, Any], config: dict[str, 
     """ERROR when a step did not finish (no gate could judge the candidate), else the gates' overall verdict;
     `without_gates` is the verdict when the policy left nothing to judge. Reasons name the failed steps, then
     every gate that failed or holds a required gate undecided, in its own verdict's words."""
-    failed_steps = [n for n, s in evidence.steps.items() if s.get("status") != "ok"]
+    # a skipped step (a sweep's bench of a candidate that already fails a gate) is not a failure: the gates it
+    # would feed show no evidence, and the failed gate decides
+    failed_steps = [n for n, s in evidence.steps.items() if s.get("status") not in ("ok", "skipped")]
     gates = evidence.gates
     verdict = (verdicts.ERROR if failed_steps else without_gates if not gates
                else verdicts.overall([(g.verdict, g.required) for g in gates]))

@@ -1,0 +1,198 @@
+"""A sweep's answer: candidates ranked by cost, a Pareto plot, and one line saying which to ship (or why none).
+
+The ranking table gives per candidate its verdict (the single sign-off's), its reading at its share of the
+family-wise error, the linear weights' bytes against bf16, the full stack's throughput over the baseline with its
+interval, and the gate closest to (or furthest past) its limit. "Cheapest" is the fewest weight bytes; the
+recommendation is the cheapest candidate that passes at its family-wise share, so the chance that any false PASS
+reaches it is at most 5% (qtoolkit/signoff/family.py).
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from ..io import write_json, write_text
+from ..provenance import provenance
+from . import gates as verdicts
+from .family import NAME as FAMILY_METHOD
+from .judge import Gate
+from .policy import Policy
+from .report import _cell, _fmt, _png, html_report
+from .steps import SignoffConfig
+
+RECOMMENDED = "RECOMMENDED"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One candidate in the ranking."""
+
+    name: str
+    verdict: str
+    family_verdict: str
+    family_alpha: float
+    linear_ratio: float | None  # linear weights' bytes / bf16
+    throughput: dict[str, Any] | None  # the full stack over the baseline at the top tier: ratio, ci
+    worst_gate: str | None
+    worst_fraction: float | None  # the gate's judged CI end as a fraction of its limit (> 1: past it)
+    worst_quality_fraction: float | None
+    reasons: list[str]
+    error: str | None
+    folder: str = ""  # the candidate's single sign-off folder (its report.md is included in the sweep's)
+    family: dict[str, Any] | None = None  # FamilyJudgement.to_json()
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def limit_fraction(g: Gate, policy: Policy) -> float | None:
+    """How far a gate's judged figure (its worst CI end) is towards its limit: 1 on it, > 1 past it."""
+    if g.judged is None:
+        return None
+    if g.task == "throughput":
+        limit = getattr(policy.throughput, g.metric, None)
+        return limit / g.judged if limit and g.judged > 0 else None
+    if g.task == "memory":
+        limit = getattr(policy.memory, g.metric, None)
+        return g.judged / limit if limit else None
+    bound = (policy.tasks.get(g.task) or policy.tasks.get("custom") or {}).get(g.metric)
+    if bound is None:
+        return None
+    if bound.max is not None and bound.max > 0:
+        return g.judged / bound.max
+    if bound.min is not None and g.judged > 0:
+        return bound.min / g.judged
+    return None
+
+
+def worst_gate(gates: list[Gate], policy: Policy, quality_only: bool = False) -> tuple[str | None, float | None]:
+    scored = [(f, g.name) for g in gates if (f := limit_fraction(g, policy)) is not None
+              and (not quality_only or g.task not in ("throughput", "memory"))]
+    if not scored:
+        return None, None
+    f, name = max(scored)
+    return name, f
+
+
+def ranked(rows: list[Row]) -> list[Row]:
+    """Recommendable first, then PASS, INCONCLUSIVE, FAIL, ERROR; cheapest first within each."""
+    order = {verdicts.PASS: 1, verdicts.INCONCLUSIVE: 2, verdicts.FAIL: 3, verdicts.ERROR: 4}
+
+    def key(r: Row) -> tuple[int, float]:
+        first = 0 if r.family_verdict == verdicts.PASS else order.get(r.verdict, 4)
+        return first, r.linear_ratio if r.linear_ratio is not None else float("inf")
+    return sorted(rows, key=key)
+
+
+def recommendation(rows: list[Row]) -> tuple[str | None, str, int]:
+    """(the candidate to ship or None, the line that says so, the exit code: 0 one is recommended, 1 every
+    candidate fails, 3 none passes and one is undecided, 2 none passes and one could not be judged)."""
+    ship = [r for r in ranked(rows) if r.family_verdict == verdicts.PASS]
+    if ship:
+        r = ship[0]
+        return r.name, (f"ship `{r.name}`: the cheapest candidate that passes every gate (linear weights "
+                        f"{_fmt(r.linear_ratio, 3)}x of bf16{_speed(r)}; judged at {r.family_alpha:.2%} of the 5% "
+                        "family-wise error)"), 0
+    alone = [r for r in rows if r.verdict == verdicts.PASS]
+    judged = [r for r in rows if r.verdict != verdicts.ERROR]
+    closest = min(judged, key=lambda r: r.worst_fraction if r.worst_fraction is not None else float("inf"),
+                  default=None)
+    if alone:
+        r = alone[0]
+        return None, (f"none recommended: `{r.name}` passes on its own but not at its {r.family_alpha:.2%} share "
+                      f"of the 5% family-wise error ({r.family_verdict}); draw more items (--max-items) or "
+                      "sign off fewer candidates"), 3
+    why = ""
+    if closest is not None:
+        what = closest.reasons[0] if closest.reasons else f"gate {closest.worst_gate}"
+        why = f": the closest is `{closest.name}` because {what}"
+    if any(r.verdict == verdicts.INCONCLUSIVE for r in rows):
+        return None, f"none passes yet{why}", 3
+    if all(r.verdict == verdicts.FAIL for r in rows):
+        return None, f"none passes{why}", 1
+    return None, f"none passes and some could not be judged{why}", 2
+
+
+def _speed(r: Row) -> str:
+    if not r.throughput:
+        return ""
+    ci = r.throughput.get("ci")
+    ci_text = f" [{_fmt(ci[0], 3)}, {_fmt(ci[1], 3)}]" if ci else ""
+    return f", full stack {_fmt(r.throughput.get('ratio'), 3)}x{ci_text} the baseline's throughput"
+
+
+def pareto_plot(rows: list[Row]) -> str | None:
+    """Cost (weight bytes vs bf16) against the worst quality gate's CI end as a fraction of its limit."""
+    pts = [r for r in rows if r.linear_ratio is not None and r.worst_quality_fraction is not None]
+    if not pts:
+        return None
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.add_subplot()
+    for r in pts:
+        ok = r.verdict == verdicts.PASS
+        ax.scatter([r.linear_ratio], [r.worst_quality_fraction], marker="o" if ok else "x", s=60,
+                   color="#1a7f37" if r.family_verdict == verdicts.PASS else "#9a6700" if ok else "#cf222e")
+        ax.annotate(f"{r.name} ({r.verdict})", (r.linear_ratio, r.worst_quality_fraction), fontsize=8,
+                    xytext=(5, 4), textcoords="offset points")
+    ax.axhline(1.0, color="#cf222e", linestyle="--", linewidth=1)
+    ax.set_xlabel("linear weight bytes / bf16 (cost)")
+    ax.set_ylabel("worst quality gate: CI end / its limit")
+    ax.set_title("candidates: cost against quality (1 = on the limit; x = does not pass)")
+    return _png(fig)
+
+
+def _peak_rss() -> dict[str, int]:
+    """Peak resident memory of this process and of its largest finished child (servers, sandboxes), bytes."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return {"process_bytes": own, "largest_child_bytes": child}
+
+
+def _markdown(data: dict[str, Any], rows: list[Row]) -> str:
+    lines = [f"# Release sign-off over {len(rows)} candidates: {data['verdict']}", "", f"**{data['line']}**", "",
+             "| rank | candidate | verdict | at its family share | linear bytes vs bf16 | full stack vs baseline "
+             "(95% CI) | worst gate | its CI end / limit |", "|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(ranked(rows), 1):
+        tp = _speed(r).removeprefix(", full stack ").removesuffix(" the baseline's throughput") or "-"
+        lines.append(f"| {i} | `{_cell(r.name)}` | {r.verdict} | {r.family_verdict} at {r.family_alpha:.2%} | "
+                     f"{_fmt(r.linear_ratio, 3)} | {_cell(tp)} | {_cell(r.worst_gate or '-')} | "
+                     f"{_fmt(r.worst_fraction, 3)} |")
+    lines += ["", f"Family-wise error: {FAMILY_METHOD}. A candidate's verdict is its single sign-off's (gates at 95%); "
+              "the recommendation reads the same evidence again at the candidate's share, so the chance that any "
+              "false PASS reaches it is at most 5%.", "",
+              f"Peak memory: this process {data['peak_memory']['process_bytes'] / 2**30:.2f} GiB, its largest "
+              f"child {data['peak_memory']['largest_child_bytes'] / 2**30:.2f} GiB.", ""]
+    for r in rows:
+        if r.error:
+            lines.append(f"- `{r.name}` could not be judged: {_cell(r.error)}")
+    for r in rows:
+        md = Path(r.folder) / "report.md"
+        if r.folder and md.is_file():  # the candidate's own report, its headings one level down
+            body = "\n".join("#" + x if x.startswith("#") else x for x in md.read_text().splitlines())
+            lines += ["", f"# Candidate `{r.name}`", "", body]
+    return "\n".join(lines)
+
+
+def write_sweep_reports(out: Path, cfg: SignoffConfig, policy: Policy, rows: list[Row], recipes: list[str],
+                        model: dict[str, Any]) -> dict[str, Any]:
+    name, line, code = recommendation(rows)
+    verdict = RECOMMENDED if name else next(v for v, c in verdicts.EXIT_CODES.items() if c == code)
+    data = {**provenance(model=model, policy={"name": policy.name, "path": policy.source},
+                         recipes=recipes),
+            "verdict": verdict, "recommended": name, "line": line, "exit_code": code,
+            "family_wise": {"method": FAMILY_METHOD, "alpha": 0.05},
+            "candidates": [r.to_json() | {"report": str(Path("candidates") / r.name / "report.html")}
+                           for r in rows],
+            "ranking": [r.name for r in ranked(rows)], "peak_memory": _peak_rss(),
+            "config": {k: v for k, v in cfg.__dict__.items() if k != "baseline_generations"}}
+    md = _markdown(data, rows)
+    write_json(out / "report.json", data)
+    write_text(out / "report.md", md)
+    html = html_report({"verdict": "PASS" if name else verdict}, md, {"pareto": pareto_plot(rows)})
+    write_text(out / "report.html", html)
+    return data

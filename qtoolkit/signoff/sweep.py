@@ -1,0 +1,219 @@
+"""`qtool signoff --recipe a,b,c`: several candidate recipes against one baseline, one recommendation.
+
+Each candidate is a single sign-off in `DIR/candidates/NAME/` (its own steps.json, checkpoint, eval.json,
+bench.json and report), so its verdict is the one a separate `qtool signoff --recipe NAME` would give at the same
+seeds and sizes, and a rerun resumes every finished candidate step by step. What the candidates share is done
+once: the baseline's completions (`DIR/baseline/generations.jsonl`, evals/backends/cached.py) and the baseline
+model's diagnosis (`DIR/diagnose.json`). A candidate that already fails a quality or memory gate is not
+benchmarked (its verdict is FAIL whatever throughput it reaches). The recommendation reads every candidate again at
+its share of the family-wise error (qtoolkit/signoff/family.py) and the ranking (qtoolkit/signoff/ranking.py)
+picks the cheapest that passes.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..bench.ablation import ablation_table
+from ..diagnose.run import diagnose
+from ..errors import OutputWriteError, QToolError
+from ..evals.custom import custom_tasks
+from ..evals.results import EvalResults
+from ..evals.runner import EvalConfig, evaluate
+from ..evals.stats.paired import confidence_level
+from ..evals.summary import RoundsRatio
+from ..io import write_json
+from ..model.sources import ModelSource, resolve_model
+from ..progress import status
+from ..quantize.recipe import load_recipe
+from . import gates as verdicts
+from . import workload as custom_signoff
+from .family import FamilyJudgement, fallback, judge_at, look_levels
+from .judge import Gate, evaluate_gates
+from .policy import Policy
+from .ranking import Row, worst_gate, write_sweep_reports
+from .run import _check, _check_speculative, _decide, _load, _Run
+from .steps import SignoffConfig, StepRunner
+
+
+@dataclass
+class Candidate:
+    """One recipe of the sweep: its single sign-off's run, outcome and family-wise reading."""
+
+    name: str
+    spec: str  # the recipe as given (a shipped name or a file)
+    cfg: SignoffConfig
+    run: _Run | None = None
+    error: str | None = None  # what stopped it outside its steps (its steps record their own errors)
+    report: dict[str, Any] | None = None
+    family: FamilyJudgement | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.cfg.output)
+
+
+def recipe_list(spec: str) -> list[str]:
+    """`--recipe a,b,c` -> the recipes; one name is a single sign-off."""
+    return [s.strip() for s in spec.split(",") if s.strip()]
+
+
+def signoff_sweep(cfg: SignoffConfig) -> dict[str, Any]:
+    """Every candidate's sign-off, the family-wise reading and the ranked report in cfg.output."""
+    policy = _check(cfg)
+    specs = recipe_list(cfg.recipe)
+    recipes = [load_recipe(s) for s in specs]  # an unknown recipe is bad input: exit 2 before any work
+    names = [r.name for r in recipes]
+    if len(set(names)) != len(names):
+        raise QToolError(f"--recipe names a recipe twice ({', '.join(names)}): list each candidate once")
+    source = resolve_model(cfg.model)
+    _check_speculative(cfg.speculative, source)
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    shared = StepRunner(out)  # one sweep per folder at a time
+    generations = str(out / "baseline" / "generations.jsonl")
+    cands = [Candidate(n, s, replace(cfg, recipe=s, output=str(out / "candidates" / n),
+                                     baseline_generations=generations)) for n, s in zip(names, specs, strict=True)]
+    try:
+        for i, (c, recipe) in enumerate(zip(cands, recipes, strict=True)):
+            status(f"candidate {i + 1}/{len(cands)} {c.name}: quantize and evaluate")
+            _guard(c, lambda c=c, recipe=recipe: _start(c, policy, recipe, source))
+        _bench(cands, policy)
+        _diagnose(cands, shared, cfg, source)
+        for c in cands:
+            if c.run is not None and c.error is None:
+                _guard(c, lambda c=c: _report(c, policy, source))
+        _family(cands, policy, source)
+        return write_sweep_reports(out, cfg, policy, [row_of(c, policy) for c in cands], specs, source.describe())
+    finally:
+        shared.lock.release()
+        for c in cands:
+            if c.run is not None:
+                c.run.runner.lock.release()
+
+
+def row_of(c: Candidate, policy: Policy) -> Row:
+    report = c.report or {}
+    gates = [Gate.from_json(g) for g in report.get("gates") or []]
+    name, frac = worst_gate(gates, policy)
+    _, qfrac = worst_gate(gates, policy, quality_only=True)
+    quant = report.get("quantize") or {}
+    tiers = (report.get("ablation") or {}).get("tiers") or []
+    rounds = RoundsRatio.from_json(tiers[-1].get("total_speedup_rounds")) if tiers else None
+    fam = c.family
+    return Row(c.name, report.get("verdict", verdicts.ERROR), fam.verdict if fam else verdicts.ERROR,
+               fam.alpha if fam else 0.0, (quant.get("totals") or {}).get("linear_ratio_vs_bf16"),
+               {"ratio": rounds.ratio, "ci": rounds.ci.bounds} if rounds else None, name, frac, qfrac,
+               list(report.get("reasons") or []), c.error, str(c.folder), fam.to_json() if fam else None)
+
+
+def _guard(c: Candidate, fn: Any) -> None:
+    """A candidate's failure outside its steps (a bug, a refused input) is its ERROR; the others go on."""
+    try:
+        fn()
+    except OutputWriteError:
+        raise  # no room for outputs: every candidate would fail the same way
+    except Exception as e:  # noqa: BLE001 - recorded as the candidate's error and shown in the report
+        c.error = f"{type(e).__name__}: {e}" if not isinstance(e, QToolError) else str(e)
+        status(f"candidate {c.name}: ERROR: {c.error}")
+
+
+def _start(c: Candidate, policy: Policy, recipe: Any, source: ModelSource) -> None:
+    Path(c.cfg.output).mkdir(parents=True, exist_ok=True)
+    c.run = _Run(c.cfg, policy, recipe, source, c.folder, StepRunner(c.folder))
+    c.run.quality()
+
+
+def _already_failed(c: Candidate, policy: Policy) -> str | None:
+    """Why benchmarking `c` cannot change its verdict (a failed step or gate), or None."""
+    assert c.run is not None and c.run.results is not None
+    if c.run.quant is None or c.run.results.get("eval", {}).get("status") != "ok":
+        return "its quantize or eval step did not finish"
+    evals = EvalResults.load(c.folder / "eval.json")
+    gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals, None, c.run.quant)
+    failed = [g.name for g in gates if g.verdict == verdicts.FAIL]
+    return f"gate {', '.join(failed)} already fails" if failed else None
+
+
+def _bench(cands: list[Candidate], policy: Policy) -> None:
+    """Benchmark the candidates a throughput figure can still decide, one after another."""
+    live = [c for c in cands if c.run is not None and c.error is None]
+    for i, c in enumerate(live):
+        assert c.run is not None and c.run.results is not None
+        reason = _already_failed(c, policy)
+        if reason:
+            c.run.results["bench"] = c.run.runner.skip("bench", f"not benchmarked: {reason}")
+            continue
+        status(f"candidate {c.name} ({i + 1}/{len(live)}): benchmark")
+        _guard(c, c.run.bench_step)
+
+
+def _diagnose(cands: list[Candidate], shared: StepRunner, cfg: SignoffConfig, source: ModelSource) -> None:
+    """The baseline model is diagnosed once; each candidate's folder gets a copy (its report reads it there)."""
+    path = Path(cfg.output) / "diagnose.json"
+    entry = shared.run("diagnose", {"model": source.sha256, "batches": cfg.diagnose_batches}, path,
+                       lambda: write_json(path, diagnose(str(source.path), batches=cfg.diagnose_batches,
+                                                         prompt_lengths=(64, 512)).to_json()))
+
+    def copy(dest: Path) -> None:
+        if entry.get("status") != "ok":
+            raise QToolError(f"the sweep's diagnosis failed: {entry.get('error')}")
+        shutil.copyfile(path, dest)
+
+    for c in cands:
+        if c.run is not None and c.error is None:
+            _guard(c, lambda c=c: c.run.diagnose_step(copy))
+
+
+def _report(c: Candidate, policy: Policy, source: ModelSource) -> None:
+    assert c.run is not None and c.run.results is not None
+    recipe = c.run.recipe
+    c.report = _decide(c.cfg, policy, {"name": recipe.name, "sha256": recipe.sha256}, source.describe(), c.folder,
+                       c.run.results, c.run.quant)
+
+
+def _family(cands: list[Candidate], policy: Policy, source: ModelSource) -> None:
+    """Each candidate's share of the family-wise error (fallback order: largest weights first) and its reading."""
+    def weight(c: Candidate) -> float:
+        q = c.run.quant if c.run else None
+        ratio = q.totals.linear_ratio_vs_bf16 if q else None
+        return -(ratio if ratio is not None else -1.0)
+
+    by_name = {c.name: c for c in cands}
+
+    def passes_at(name: str, alpha: float) -> bool:
+        c = by_name[name]
+        if not c.report or c.report["verdict"] != verdicts.PASS:
+            return False
+        levels = look_levels(c.cfg.limit, c.cfg.max_items, alpha)
+        c.family = judge_at(alpha, c.folder, levels, _resummarize(c, source), _rejudge(c, policy))
+        return c.family.recommendable
+
+    shares = fallback([c.name for c in sorted(cands, key=weight)], passes_at)
+    for c in cands:
+        if c.family is None:
+            verdict = c.report["verdict"] if c.report else verdicts.ERROR
+            c.family = FamilyJudgement(shares.get(c.name, 0.0), verdict)
+
+
+def _resummarize(c: Candidate, source: ModelSource) -> Any:
+    def run(copy: Path, task: str, items: int, level: float) -> None:
+        with confidence_level(level):  # every interval of the rebuilt summary at the family-wise look level
+            evaluate(EvalConfig(model=str(c.folder / "checkpoint"), baseline=str(source.path), tasks=task,
+                                output=str(copy), limit=items, endpoint=c.cfg.endpoint, seed=c.cfg.seed,
+                                task_options={"allow_weak_sandbox": c.cfg.allow_weak_sandbox,
+                                              "custom_data": custom_tasks(c.cfg.data)}))
+    return run
+
+
+def _rejudge(c: Candidate, policy: Policy) -> Any:
+    def run(evals: EvalResults | None, level: float) -> list[Gate]:
+        bench = _load(c.folder / "bench.json")
+        ablation = ablation_table(bench) if bench else None  # its rounds' intervals at the context's level
+        assert c.run is not None
+        return evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals, ablation, c.run.quant)
+    return run
