@@ -236,3 +236,37 @@ def test_429_and_503_are_retried_honouring_retry_after():
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.slow
+def test_several_candidate_endpoints_get_one_recommendation(endpoints, int4_dir, tiny_model_dir, tmp_path, capsys):
+    """Two named candidates (here the same server twice) against one baseline endpoint: each gets its own
+    deployment sign-off, the second reads every baseline completion the first generated, one line decides."""
+    out = tmp_path / "sweep"
+    cand = endpoints["candidate"]
+    with env(**ROLE_ENV):
+        code = main(["signoff", "--candidate-endpoint", f"a={cand}", "--candidate-endpoint", f"b={cand}",
+                     "--baseline-endpoint", endpoints["baseline"], "--model", str(tiny_model_dir),
+                     "--limit", "2", "--max-items", "2", *LOAD, "--rounds", "2", "--output", str(out)])
+    sweep = json.loads((out / "report.json").read_text())
+    assert code == sweep["exit_code"] and [c["name"] for c in sweep["candidates"]] == ["a", "b"]
+    assert code == 3 and sweep["recommended"] is None  # KLD cannot be measured through endpoints: never a PASS
+    assert capsys.readouterr().out.startswith(sweep["line"])
+    for name in ("a", "b"):
+        assert json.loads((out / "candidates" / name / "report.json").read_text())["deployments"]["candidate"]
+    cache = json.loads((out / "candidates" / "b" / "eval.json").read_text())["models"]["baseline"]
+    assert cache["generations_cache"]["misses"] == 0 and cache["generations_cache"]["hits"] > 0
+    for blob in (out / "report.json", out / "report.md", out / "candidates" / "b" / "report.json"):
+        assert KEYS["candidate"] not in blob.read_text() and KEYS["baseline"] not in blob.read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--candidate-endpoint", "http://127.0.0.1:9/v1", "--candidate-endpoint", "b=http://127.0.0.1:9/v1"],
+     "name each one"),
+    (["--candidate-endpoint", "a=http://127.0.0.1:9/v1", "--candidate-endpoint", "a=http://127.0.0.1:9/v1"],
+     "share a name"),
+])
+def test_several_candidate_endpoints_must_be_named_apart(tmp_path, capsys, args, message):
+    out = tmp_path / "sweep"
+    assert main(["signoff", *args, "--baseline-endpoint", "http://127.0.0.1:9/v1", "--output", str(out)]) == 2
+    assert message in capsys.readouterr().err and not out.exists()

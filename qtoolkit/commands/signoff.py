@@ -45,9 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="default", help="policy name in recipes/policies/ or a YAML path")
     p.add_argument("--limit", type=int, default=8, help="items per eval task (small keeps the run to minutes)")
     add_server_arguments(p, who="the candidate (evaluated there instead of in-process)", routes=("/v1/completions",))
-    p.add_argument("--candidate-endpoint", metavar="URL",
+    p.add_argument("--candidate-endpoint", metavar="[NAME=]URL", action="append", default=[],
                    help="sign off a deployment: the candidate served by any OpenAI-compatible server (vLLM, SGLang, "
-                        "TGI, qtool serve); --model then names its local checkpoint (tokenizer, memory gate)")
+                        "TGI, qtool serve); --model then names its local checkpoint (tokenizer, memory gate). "
+                        "Repeat as NAME=URL to sign off several served candidates against one baseline and get one "
+                        "recommendation (--model is then only their tokenizer)")
     p.add_argument("--baseline-endpoint", metavar="URL", help="the baseline deployment (with --candidate-endpoint)")
     p.add_argument("--baseline", help="local baseline model for the baseline endpoint's tokenizer (default: --model)")
     p.add_argument("--candidate-model-id", help="model id the candidate endpoint must serve (default: its only one)")
@@ -79,28 +81,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # start-up time (`qtool --help` imports every command): the sign-off loads the evals, llm-compressor, torch
     from qtoolkit.signoff.run import SignoffConfig, signoff
-    from qtoolkit.signoff.sweep import recipe_list, signoff_sweep
+    from qtoolkit.signoff.sweep import endpoint_pairs, recipe_list, signoff_endpoint_sweep, signoff_sweep
 
     deployed = args.candidate_endpoint or args.baseline_endpoint
     if bool(args.recipe) == bool(deployed):
         raise QToolError("pass --recipe R (quantize and serve here) or --candidate-endpoint with --baseline-endpoint "
                          "(sign off served deployments), not both or neither")
     endpoint, _ = resolve_server(args.base_url, args.endpoint, ("/v1/completions",))
-    several = args.recipe is not None and len(recipe_list(args.recipe)) > 1
+    pairs = endpoint_pairs(args.candidate_endpoint)
+    several = (args.recipe is not None and len(recipe_list(args.recipe)) > 1) or len(pairs) > 1
     if several and args.rejudge:
         raise QToolError("--rejudge takes one recipe; to judge a sweep again rerun the same command: its finished "
                          "steps are reused")
     # stdout carries the verdict; llm-compressor's loguru sink binds to whatever sys.stdout is at its import
     with contextlib.redirect_stdout(sys.stderr):
-        report = (signoff_sweep if several else signoff)(SignoffConfig(
+        cfg = SignoffConfig(
             model=args.model, recipe=args.recipe, output=args.output, policy=args.policy, limit=args.limit,
             endpoint=endpoint, concurrency=args.concurrency, num_requests=args.num_requests, rounds=args.rounds,
             max_items=max(DEFAULT_MAX_ITEMS, args.limit) if args.max_items is None else args.max_items,
             allow_weak_sandbox=args.allow_weak_sandbox, rejudge=args.rejudge,
             speculative=None if deployed or args.speculative.lower() == "none" else args.speculative,
-            candidate_endpoint=args.candidate_endpoint, baseline_endpoint=args.baseline_endpoint,
+            candidate_endpoint=pairs[0][1] if pairs else None, baseline_endpoint=args.baseline_endpoint,
             baseline=args.baseline, candidate_model_id=args.candidate_model_id,
-            baseline_model_id=args.baseline_model_id, data=args.data))
+            baseline_model_id=args.baseline_model_id, data=args.data)
+        if len(pairs) > 1:
+            report = signoff_endpoint_sweep(cfg, pairs)
+        else:
+            report = signoff_sweep(cfg) if several else signoff(cfg)
     if several:
         return _print_sweep(report, args.output)
     print(f"verdict: {report['verdict']}")

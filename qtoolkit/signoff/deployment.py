@@ -137,7 +137,8 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
             output=str(out / "eval.json"), limit=items, endpoint=infos["candidate"].url,
             baseline_endpoint=infos["baseline"].url, seed=cfg.seed, overwrite=overwrite,
             model_id=infos["candidate"].model_id, baseline_model_id=infos["baseline"].model_id,
-            task_options={"allow_weak_sandbox": cfg.allow_weak_sandbox, "custom_data": custom_tasks(cfg.data)}))
+            task_options={"allow_weak_sandbox": cfg.allow_weak_sandbox, "custom_data": custom_tasks(cfg.data)},
+            baseline_generations=cfg.baseline_generations))
 
     def judge() -> tuple[list[Gate], list[Gate]]:
         evals = EvalResults.load(out / "eval.json")
@@ -157,7 +158,7 @@ def _load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _judge(cfg: SignoffConfig, policy: Policy, evals: EvalResults | None, table: dict[str, Any] | None,
+def judge_deployment(cfg: SignoffConfig, policy: Policy, evals: EvalResults | None, table: dict[str, Any] | None,
            quant: QuantizeReport | None) -> tuple[list[Gate], list[NotMeasurable]]:
     """The gates, those the endpoints cannot give marked `not measurable` (INCONCLUSIVE, never passed), and
     what the report lists as not measurable: the engine-only figures, the figures the endpoints could not score,
@@ -184,7 +185,7 @@ def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, Endpo
     evals = EvalResults.load(out / "eval.json") if steps["eval"].get("status") == "ok" else None
     bench = _load(out / "bench.json") if steps["bench"].get("status") == "ok" else None
     table = throughput_table(bench) if bench else None
-    gates, not_measurable = _judge(cfg, policy, evals, table, quant)
+    gates, not_measurable = judge_deployment(cfg, policy, evals, table, quant)
     evidence = Evidence(steps, gates, evals, _load(out / "sequential.json"), quant)
     deployment = DeploymentSection({r: asdict(i) for r, i in infos.items()}, table, not_measurable)
     # the recipe the served checkpoint was made with, as its quantize_report.json says

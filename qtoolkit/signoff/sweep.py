@@ -13,11 +13,13 @@ picks the cheapest that passes.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..bench.ablation import ablation_table
+from ..bench.deployment import throughput_table
 from ..diagnose.run import diagnose
 from ..errors import OutputWriteError, QToolError
 from ..evals.custom import custom_tasks
@@ -31,9 +33,10 @@ from ..progress import status
 from ..quantize.recipe import load_recipe
 from . import gates as verdicts
 from . import workload as custom_signoff
+from .deployment import judge_deployment, signoff_deployments
 from .family import FamilyJudgement, fallback, judge_at, look_levels
 from .judge import Gate, evaluate_gates
-from .policy import Policy
+from .policy import Policy, load_policy
 from .ranking import Row, worst_gate, write_sweep_reports
 from .run import _check, _check_speculative, _decide, _load, _Run
 from .steps import SignoffConfig, StepRunner
@@ -87,7 +90,7 @@ def signoff_sweep(cfg: SignoffConfig) -> dict[str, Any]:
         for c in cands:
             if c.run is not None and c.error is None:
                 _guard(c, lambda c=c: _report(c, policy, source))
-        _family(cands, policy, source)
+        _family(cands, _local_judge(source, policy))
         return write_sweep_reports(out, cfg, policy, [row_of(c, policy) for c in cands], specs, source.describe())
     finally:
         shared.lock.release()
@@ -176,12 +179,16 @@ def _report(c: Candidate, policy: Policy, source: ModelSource) -> None:
                        c.run.results, c.run.quant)
 
 
-def _family(cands: list[Candidate], policy: Policy, source: ModelSource) -> None:
-    """Each candidate's share of the family-wise error (fallback order: largest weights first) and its reading."""
+JudgeAt = Callable[["Candidate", float], FamilyJudgement]
+
+
+def _family(cands: list[Candidate], judge: JudgeAt) -> None:
+    """Each candidate's share of the family-wise error (fallback order: largest weights first, then as given)
+    and its reading there; `judge(candidate, share)` reads a candidate that passed on its own."""
     def weight(c: Candidate) -> float:
         q = c.run.quant if c.run else None
         ratio = q.totals.linear_ratio_vs_bf16 if q else None
-        return -(ratio if ratio is not None else -1.0)
+        return -ratio if ratio is not None else 1.0
 
     by_name = {c.name: c for c in cands}
 
@@ -189,8 +196,7 @@ def _family(cands: list[Candidate], policy: Policy, source: ModelSource) -> None
         c = by_name[name]
         if not c.report or c.report["verdict"] != verdicts.PASS:
             return False
-        levels = look_levels(c.cfg.limit, c.cfg.max_items, alpha)
-        c.family = judge_at(alpha, c.folder, levels, _resummarize(c, source), _rejudge(c, policy))
+        c.family = judge(c, alpha)
         return c.family.recommendable
 
     shares = fallback([c.name for c in sorted(cands, key=weight)], passes_at)
@@ -198,6 +204,13 @@ def _family(cands: list[Candidate], policy: Policy, source: ModelSource) -> None
         if c.family is None:
             verdict = c.report["verdict"] if c.report else verdicts.ERROR
             c.family = FamilyJudgement(shares.get(c.name, 0.0), verdict)
+
+
+def _local_judge(source: ModelSource, policy: Policy) -> JudgeAt:
+    def judge(c: Candidate, alpha: float) -> FamilyJudgement:
+        levels = look_levels(c.cfg.limit, c.cfg.max_items, alpha)
+        return judge_at(alpha, c.folder, levels, _resummarize(c, source), _rejudge(c, policy))
+    return judge
 
 
 def _resummarize(c: Candidate, source: ModelSource) -> Any:
@@ -217,3 +230,68 @@ def _rejudge(c: Candidate, policy: Policy) -> Any:
         assert c.run is not None
         return evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals, ablation, c.run.quant)
     return run
+
+
+def endpoint_pairs(values: list[str]) -> list[tuple[str, str]]:
+    """`--candidate-endpoint NAME=URL` (repeatable) -> [(name, url)]; a lone bare URL is named `candidate`."""
+    pairs = []
+    for v in values:
+        name, sep, url = v.partition("=")
+        if not sep or name.startswith(("http://", "https://")):
+            if len(values) > 1:
+                raise QToolError(f"--candidate-endpoint {v!r}: with several candidate endpoints name each one, "
+                                 "e.g. --candidate-endpoint int4=http://host:8001/v1")
+            name, url = "candidate", v
+        pairs.append((name.strip(), url.strip()))
+    if len({n for n, _ in pairs}) != len(pairs):
+        raise QToolError("two --candidate-endpoint share a name: give each candidate its own NAME=URL")
+    return pairs
+
+
+def signoff_endpoint_sweep(cfg: SignoffConfig, pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """Several served candidates against one baseline endpoint: a deployment sign-off each, one recommendation."""
+    policy = load_policy(cfg.policy)
+    if not cfg.baseline_endpoint:
+        raise QToolError("several --candidate-endpoint need one --baseline-endpoint to be compared with")
+    if (resolve_model(cfg.model).path / "quantize_report.json").is_file():
+        raise QToolError(f"with several candidate endpoints --model is only their tokenizer, but {cfg.model} is a "
+                         "quantized checkpoint whose bytes would be read as every candidate's: pass the unquantized "
+                         "model")
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    shared = StepRunner(out)
+    generations = str(out / "baseline" / "generations.jsonl")
+    cands = [Candidate(n, url, replace(cfg, candidate_endpoint=url, output=str(out / "candidates" / n),
+                                       baseline_generations=generations)) for n, url in pairs]
+    try:
+        for i, c in enumerate(cands):
+            status(f"candidate {i + 1}/{len(cands)} {c.name} ({c.spec}): deployment sign-off")
+            _guard(c, lambda c=c: setattr(c, "report", signoff_deployments(c.cfg)))
+        _family(cands, _endpoint_judge(policy))
+        return write_sweep_reports(out, cfg, policy, [row_of(c, policy) for c in cands], [u for _, u in pairs],
+                                   {"tokenizer": cfg.model, "baseline_endpoint": cfg.baseline_endpoint})
+    finally:
+        shared.lock.release()
+
+
+def _endpoint_judge(policy: Policy) -> JudgeAt:
+    def judge(c: Candidate, alpha: float) -> FamilyJudgement:
+        served = (c.report or {}).get("deployments") or {}
+
+        def resummarize(copy: Path, task: str, items: int, level: float) -> None:
+            with confidence_level(level):  # the items are in the copy: nothing is sent to the endpoints
+                evaluate(EvalConfig(
+                    model=c.cfg.model, baseline=c.cfg.baseline or c.cfg.model, tasks=task, output=str(copy),
+                    limit=items, endpoint=served["candidate"]["url"], baseline_endpoint=served["baseline"]["url"],
+                    seed=c.cfg.seed, model_id=served["candidate"]["model_id"],
+                    baseline_model_id=served["baseline"]["model_id"],
+                    task_options={"allow_weak_sandbox": c.cfg.allow_weak_sandbox,
+                                  "custom_data": custom_tasks(c.cfg.data)}))
+
+        def rejudge(evals: EvalResults | None, level: float) -> list[Gate]:
+            bench = _load(c.folder / "bench.json")
+            return judge_deployment(c.cfg, policy, evals, throughput_table(bench) if bench else None, None)[0]
+
+        levels = look_levels(c.cfg.limit, c.cfg.max_items, alpha)
+        return judge_at(alpha, c.folder, levels, resummarize, rejudge)
+    return judge
