@@ -7,12 +7,17 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from qtoolkit.cli import main
-from qtoolkit.quantize.report import QuantizeSummary
+from qtoolkit.model.sources import resolve_model
+from qtoolkit.quantize.report import QuantizeReport, QuantizeSummary
 from qtoolkit.signoff.gates import EXIT_CODES, overall
+from qtoolkit.signoff.policy import load_policy
+from qtoolkit.signoff.steps import SignoffConfig
+from qtoolkit.signoff.sweep import Candidate, _local_judge
 
 pytestmark = pytest.mark.slow
 ARGS = ["--limit", "2", "--max-items", "2", "--concurrency", "1,2", "--num-requests", "2"]
@@ -203,6 +208,19 @@ def test_sweep_over_recipes_keeps_single_verdicts_generates_the_baseline_once_an
             assert "already fails" in bench["reason"] and c["verdict"] == "FAIL"
         else:
             assert bench["status"] == "ok"
+    # the family-wise reading rebuilds a candidate's figures from its finished items: at the full 5% it gives back
+    # the candidate's own gates exactly, and at a smaller share its intervals only widen
+    c = Candidate("int4-rtn", "int4-rtn", SignoffConfig(model=str(tiny_model_dir), recipe="int4-rtn",
+                                                         output=str(out / "candidates" / "int4-rtn"), limit=2,
+                                                         max_items=2))
+    c.run = SimpleNamespace(quant=QuantizeReport.load(c.folder / "checkpoint" / "quantize_report.json"))
+    judge = _local_judge(resolve_model(str(tiny_model_dir)), load_policy("default"))
+    full, third = judge(c, 0.05), judge(c, 0.05 / 3)
+    assert [(g.name, g.verdict, g.judged) for g in full.gates] == [
+        (g["name"], g["verdict"], g["judged"]) for g in cand["gates"]]
+    widened = {g.name: g.judged for g in third.gates if g.task in ("code", "summarization") and g.judged is not None}
+    # every quality bound of the default policy is a max: a wider interval's worst end is at least as high
+    assert widened and all(widened[g.name] >= g.judged - 1e-12 for g in full.gates if g.name in widened)
     md = (out / "report.md").read_text()
     assert md.startswith("# Release sign-off over 2 candidates") and "fallback procedure" in md
     assert 'id="plot-pareto"' in (out / "report.html").read_text()
