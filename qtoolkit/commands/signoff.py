@@ -56,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default="ngram",
                    help="proposer of the ablation's speculative-decoding layer (ngram, self-int4, draft:PATH, eagle3:DIR, ...; "
                         "default ngram; none leaves the layer out)")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,fp8,int8}",
+                   help="the candidate's KV cache in its eval and bench servers (default auto: the checkpoint's "
+                        "kv_cache_scheme when its recipe has one, else the model's dtype); a quantized cache adds "
+                        "the ablation's KV cache layer: unquantized vs quantized cache at a budget where it is the "
+                        "limit")
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds of the throughput gates' systems at the top tier, on fresh requests each; the gates "
                         "judge the lower 95%% bound of the per-round speedups (default 5; with 1 there is no interval "
@@ -87,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         report = signoff(SignoffConfig(
             model=args.model, recipe=args.recipe, output=args.output, policy=args.policy, limit=args.limit,
-            endpoint=endpoint, concurrency=args.concurrency, num_requests=args.num_requests, rounds=args.rounds,
+            endpoint=endpoint, concurrency=args.concurrency, kv_cache_dtype=args.kv_cache_dtype, num_requests=args.num_requests, rounds=args.rounds,
             max_items=max(DEFAULT_MAX_ITEMS, args.limit) if args.max_items is None else args.max_items,
             allow_weak_sandbox=args.allow_weak_sandbox, rejudge=args.rejudge,
             speculative=None if deployed or args.speculative.lower() == "none" else args.speculative,
