@@ -68,14 +68,17 @@ def unquantized_bytes_per_token(checkpoint: str | Path, dtype: str = "auto") -> 
     return 2 * c["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
 
 
-def limiting_budget(checkpoint: str | Path, requests: list[BenchRequest], concurrency: int, dtype: str = "auto") -> int:
+def limiting_budget(checkpoint: str | Path, requests: list[BenchRequest], concurrency: int, dtype: str = "auto",
+                    block_size: int = 16) -> int:
     """A --kv-cache-memory (bytes) where the unquantized cache holds only 1/HELD_SHARE of the tier's sequences
-    (at least one), each at its prompt plus its output length, prompts counted with the checkpoint's tokenizer."""
+    (at least one), each at the longest prompt plus output length (prompts counted with the checkpoint's
+    tokenizer) and a spare block: the engine caps a request's length at what the cache holds, so the longest one
+    must fit whole."""
     tok = AutoTokenizer.from_pretrained(str(checkpoint))
-    lengths = [len(tok(r.prompt)["input_ids"]) + r.max_tokens for r in requests]
-    per_seq = max(lengths)
+    per_seq = max(len(tok(r.prompt)["input_ids"]) + r.max_tokens for r in requests)
+    blocks = -(-per_seq // block_size) + 1
     held = max(1, concurrency // HELD_SHARE)
-    return per_seq * held * unquantized_bytes_per_token(checkpoint, dtype)
+    return held * blocks * block_size * unquantized_bytes_per_token(checkpoint, dtype)
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,8 @@ def bench_kv_layer(checkpoint: str | Path, kv_cache_dtype: str, engine: EngineCo
 
     loop = TierLoop(labels, measure, traffic, seed, mean_output_tokens, max_output_tokens, rounds)
     tiers = loop.plan([concurrency], num_requests)
-    budget = kv_cache_memory or limiting_budget(checkpoint, tiers[0].requests, concurrency, engine.dtype)
+    budget = kv_cache_memory or limiting_budget(checkpoint, tiers[0].requests, concurrency, engine.dtype,
+                                                  engine.block_size)
     for dtype in (UNQUANTIZED, kv_cache_dtype):
         engines[label(dtype)] = engine.replace(kv_cache_dtype=dtype, kv_cache_memory=budget)
     tier = loop.run(tiers)[0]
