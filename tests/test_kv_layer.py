@@ -86,6 +86,13 @@ def test_signoff_refuses_an_unknown_kv_cache_dtype(capsys, tmp_path):
     assert not (tmp_path / "so").exists()  # refused before any work
 
 
+def test_deployment_signoff_refuses_a_kv_cache_dtype(capsys, tmp_path):
+    code = main(["signoff", "--candidate-endpoint", "http://127.0.0.1:9/v1", "--baseline-endpoint",
+                 "http://127.0.0.1:9/v1", "--kv-cache-dtype", "fp8", "--output", str(tmp_path / "so")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "drop --kv-cache-dtype" in err
+
+
 @pytest.mark.slow
 def test_kv_layer_on_a_tiny_model_where_the_unquantized_cache_is_the_limit(tiny_model_dir, tmp_path):
     """Served for real, one server at a time: the fp8 cache holds >= 1.8x the tokens at the same budget (the byte
@@ -103,3 +110,27 @@ def test_kv_layer_on_a_tiny_model_where_the_unquantized_cache_is_the_limit(tiny_
     assert layer["preemptions"]["kv_auto"] >= layer["preemptions"]["kv_fp8"]
     assert layer["throughput_ratio_rounds"]["rounds"] == 2 and len(out["preemptions"]["kv_fp8"]) == 2
     assert int(out["config"]["kv_cache_memory"]) < 4 * 2200 * 512  # the unquantized cache cannot hold the tier
+
+
+@pytest.mark.slow
+def test_signoff_of_a_kv8_recipe_runs_the_kv_layer_and_reports_it(tiny_model_dir, tmp_path):
+    """`qtool signoff --recipe fp8-dynamic-kv8` at the default `--kv-cache-dtype auto`: the checkpoint's FP8 KV
+    scheme is the candidate's cache, the bench step writes bench_kv.json, and the report carries its row."""
+    model = tmp_path / "long-ctx"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | {"max_position_embeddings": 4096}))  # 2k-token prompts
+    policy = tmp_path / "summ.yaml"
+    policy.write_text("version: 1\nname: summ\ntasks:\n  summarization:\n    kld_mean: {max: 10.0}\n")
+    out = tmp_path / "so"
+    code = main(["signoff", "--model", str(model), "--recipe", "fp8-dynamic-kv8", "--policy", str(policy),
+                 "--limit", "2", "--max-items", "2", "--concurrency", "2", "--num-requests", "2", "--rounds", "2",
+                 "--speculative", "none", "--output", str(out)])
+    report = json.loads((out / "report.json").read_text())
+    assert code in (0, 1, 3) and all(s["status"] == "ok" for s in report["steps"].values())
+    assert report["config"]["kv_cache_dtype"] == "auto"
+    layer = report["kv_layer"]
+    assert layer["kv_cache_dtype"] == "fp8" and layer["capacity_ratio"] > 1.8
+    assert json.loads((out / "bench_kv.json").read_text())["config"]["concurrency"] == 2
+    assert "## Ablation: KV cache layer (fp8 vs the unquantized cache)" in (out / "report.md").read_text()
+    assert json.loads((out / "eval.json").read_text())["models"]["candidate"]["kv_cache_dtype"] == "fp8"

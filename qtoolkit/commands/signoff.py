@@ -87,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.recipe) == bool(deployed):
         raise QToolError("pass --recipe R (quantize and serve here) or --candidate-endpoint with --baseline-endpoint "
                          "(sign off served deployments), not both or neither")
+    if deployed and args.kv_cache_dtype != "auto":
+        raise QToolError("--kv-cache-dtype sets the cache of servers qtoolkit starts: a deployment's KV cache is its "
+                         "server's own flag (e.g. vLLM's --kv-cache-dtype fp8); drop --kv-cache-dtype")
     endpoint, _ = resolve_server(args.base_url, args.endpoint, ("/v1/completions",))
     # stdout carries the verdict; llm-compressor's loguru sink binds to whatever sys.stdout is at its import
     with contextlib.redirect_stdout(sys.stderr):
