@@ -60,6 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default="ngram",
                    help="proposer of the ablation's speculative-decoding layer (ngram, self-int4, draft:PATH, eagle3:DIR, ...; "
                         "default ngram; none leaves the layer out)")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,fp8,int8}",
+                   help="the candidate's KV cache in its eval and bench servers (default auto: the checkpoint's "
+                        "kv_cache_scheme when its recipe has one, else the model's dtype); a quantized cache adds "
+                        "the ablation's KV cache layer: unquantized vs quantized cache at a budget where it is the "
+                        "limit")
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds of the throughput gates' systems at the top tier, on fresh requests each; the gates "
                         "judge the lower 95%% bound of the per-round speedups (default 5; with 1 there is no interval "
@@ -87,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.recipe) == bool(deployed):
         raise QToolError("pass --recipe R (quantize and serve here) or --candidate-endpoint with --baseline-endpoint "
                          "(sign off served deployments), not both or neither")
+    if deployed and args.kv_cache_dtype != "auto":
+        raise QToolError("--kv-cache-dtype sets the cache of servers qtoolkit starts: a deployment's KV cache is its "
+                         "server's own flag (e.g. vLLM's --kv-cache-dtype fp8); drop --kv-cache-dtype")
     endpoint, _ = resolve_server(args.base_url, args.endpoint, ("/v1/completions",))
     pairs = endpoint_pairs(args.candidate_endpoint)
     several = (args.recipe is not None and len(recipe_list(args.recipe)) > 1) or len(pairs) > 1
@@ -97,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         cfg = SignoffConfig(
             model=args.model, recipe=args.recipe, output=args.output, policy=args.policy, limit=args.limit,
-            endpoint=endpoint, concurrency=args.concurrency, num_requests=args.num_requests, rounds=args.rounds,
+            endpoint=endpoint, concurrency=args.concurrency, kv_cache_dtype=args.kv_cache_dtype,
+            num_requests=args.num_requests, rounds=args.rounds,
             max_items=max(DEFAULT_MAX_ITEMS, args.limit) if args.max_items is None else args.max_items,
             allow_weak_sandbox=args.allow_weak_sandbox, rejudge=args.rejudge,
             speculative=None if deployed or args.speculative.lower() == "none" else args.speculative,

@@ -19,6 +19,7 @@ from markdown_it import MarkdownIt
 from markupsafe import Markup
 from matplotlib.figure import Figure
 
+from ..bench.kv_layer import KVLayerRow
 from ..diagnose.result import DiagnoseResult
 from ..evals.results import EvalResults
 from ..evals.summary import RoundsRatio, TaskSummary
@@ -234,6 +235,7 @@ def markdown(report: dict[str, Any]) -> str:
                     per = ", ".join(f"{v:.3f}" for v in r.per_round)
                     lines += [f"Repeated rounds, {what} over the baseline: {_fmt(r.ratio, 3)}x, {ci} over "
                               f"{r.rounds} rounds of fresh requests (per round: {per}).", ""]
+    lines += kv_layer_lines(report.get("kv_layer"))
     # the report's eval section has eval.json's layout per task (items, summary)
     evals = EvalResults.from_json({"tasks": report.get("eval") or {}})
     lines += quality_lines(evals, lambda items: look_level(cfg, items)) + custom_regression_lines(evals)
@@ -252,6 +254,31 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["## Provenance", "", "```json", json.dumps({k: report[k] for k in ("inputs", "versions", "machine")},
                                                         indent=2), "```", ""]
     return "\n".join(lines)
+
+
+def kv_layer_lines(layer: dict[str, Any] | None) -> list[str]:
+    """The ablation's KV cache layer: the candidate with the unquantized and the quantized cache at one budget
+    where the unquantized cache is the limit (bench_kv.json)."""
+    if not layer:
+        return []
+    row, cfg = KVLayerRow.from_json(layer), layer.get("config") or {}
+    base, quant = "kv_auto", f"kv_{row.kv_cache_dtype}"
+    lines = ["", f"## Ablation: KV cache layer ({row.kv_cache_dtype} vs the unquantized cache)", "",
+             f"The candidate at concurrency {cfg.get('concurrency')} on the `{cfg.get('workload')}` workload, "
+             f"--kv-cache-memory {cfg.get('kv_cache_memory')} bytes for both caches, one server at a time.", "",
+             "| KV cache | tokens that fit | preemptions | output tok/s |", "|---|---|---|---|"]
+    for name in (base, quant):
+        lines.append(f"| {name.removeprefix('kv_')} | {row.capacity_tokens.get(name, '-')} | "
+                     f"{_fmt(row.preemptions.get(name))} | {_fmt(row.output_tok_per_s.get(name), 4)} |")
+    lines += ["", f"Tokens that fit: {_fmt(row.capacity_ratio, 3)}x; output tok/s: "
+              f"{_fmt(row.throughput_ratio, 3)}x in the tier's own measurement."]
+    r = RoundsRatio.from_json(row.throughput_ratio_rounds)
+    if r is not None:
+        b = r.ci.bounds
+        ci = f"95% CI [{_fmt(b[0], 3)}, {_fmt(b[1], 3)}]" if b is not None else "no CI"
+        lines.append(f"Over {r.rounds} interleaved rounds of fresh requests: {_fmt(r.ratio, 3)}x, {ci} (per round: "
+                     f"{', '.join(f'{v:.3f}' for v in r.per_round)}).")
+    return lines + [""]
 
 
 def quality_lines(evals: EvalResults, level_at: Callable[[int | None], float] = lambda items: 95.0) -> list[str]:

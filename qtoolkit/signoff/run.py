@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from ..bench.ablation import BASE_SYSTEMS, ablation_table, bench_ablation
+from ..bench.kv_layer import UNQUANTIZED, bench_kv_layer, resolve_kv_dtype
 from ..diagnose.run import diagnose
 from ..draft.format import check_fits, read_head_config
-from ..engine.config import EngineConfig
+from ..engine.config import KV_CACHE_DTYPES, EngineConfig
 from ..errors import QToolError
 from ..evals.custom import custom_tasks
 from ..evals.results import EvalResults
@@ -51,6 +52,8 @@ def _check(cfg: SignoffConfig) -> Policy:
         raise QToolError(f"--limit must be a positive number of items, got {cfg.limit}")
     if cfg.rounds <= 0:
         raise QToolError(f"--rounds must be a positive number of bench rounds, got {cfg.rounds}")
+    if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise QToolError(f"--kv-cache-dtype {cfg.kv_cache_dtype!r} is unknown: use one of {', '.join(KV_CACHE_DTYPES)}")
     if cfg.max_items is not None and cfg.max_items < cfg.limit:
         raise QToolError(f"--max-items ({cfg.max_items}) must be at least --limit ({cfg.limit})")
     policy = load_policy(cfg.policy)
@@ -104,6 +107,7 @@ class _Run:
     quant: QuantizeReport | None = None
     tasks: str = ""
     data: list[dict[str, str]] | None = None  # the workload files' hashes, in the steps' reuse keys
+    kv: str = UNQUANTIZED  # the candidate's KV cache, `auto` resolved against its checkpoint (resolve_kv_dtype)
 
     def steps(self) -> None:
         """quantize -> eval -> bench -> diagnose, each run or reused."""
@@ -134,6 +138,7 @@ class _Run:
         self.quant = QuantizeReport.load(ckpt / "quantize_report.json") if self.results["quantize"]["status"] == "ok" \
             else None
         if self.quant:
+            self.kv = resolve_kv_dtype(cfg.kv_cache_dtype, ckpt)
             self.eval_step(self.cand_key)
         else:
             self.results["eval"] = {"status": "error", "error": "skipped: no quantized checkpoint"}
@@ -148,7 +153,8 @@ class _Run:
     def eval_step(self, cand_key: str) -> None:
         cfg, policy, out, tasks, data = self.cfg, self.policy, self.out, self.tasks, self.data
         inputs = {"candidate": cand_key, "baseline": self.source.sha256, "tasks": tasks, "limit": cfg.limit,
-                  "endpoint": cfg.endpoint, "seed": cfg.seed, **({"data": data} if data else {})}
+                  "endpoint": cfg.endpoint, "seed": cfg.seed, **({"data": data} if data else {}),
+                  **({"kv_cache_dtype": self.kv} if self.kv != UNQUANTIZED and not cfg.endpoint else {})}
         if cfg.max_items and cfg.max_items > cfg.limit:  # how many items get drawn depends on the quality bounds
             inputs |= {"max_items": cfg.max_items, "quality_bounds": policy.model_dump()["tasks"]}
 
@@ -158,6 +164,7 @@ class _Run:
             evaluate(EvalConfig(model=str(out / "checkpoint"), baseline=str(self.source.path),
                                 tasks=",".join(only) if only else tasks, output=str(out / "eval.json"),
                                 limit=items, endpoint=cfg.endpoint, seed=cfg.seed, overwrite=overwrite,
+                                kv_cache_dtype=UNQUANTIZED if cfg.endpoint else self.kv,
                                 task_options={"allow_weak_sandbox": cfg.allow_weak_sandbox,
                                               "custom_data": custom_tasks(cfg.data)},
                                 baseline_generations=cfg.baseline_generations))
@@ -180,18 +187,33 @@ class _Run:
 
         def do_bench() -> None:
             repeat = ["baseline_static", "full_stack"] + (["candidate_static"] if quantization_gate else [])
+            engine = EngineConfig(speculative=cfg.speculative, kv_cache_dtype=self.kv)
             write_json(out / "bench.json", bench_ablation(
-                self.source.path, out / "checkpoint", EngineConfig(speculative=cfg.speculative),
+                self.source.path, out / "checkpoint", engine,
                 concurrency=cfg.concurrency, num_requests=cfg.num_requests,
                 mean_output_tokens=cfg.mean_output_tokens, seed=cfg.seed,
                 rounds=cfg.rounds, repeat=tuple(repeat),
                 workload=custom_signoff.bench_workload(cfg.data, out / "eval.json")))
+            self.kv_layer(engine)
 
         inputs = {"candidate": self.cand_key, "baseline": self.source.sha256, "systems": [s.label for s in BASE_SYSTEMS],
                   "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
                   "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed, "speculative": cfg.speculative,
-                  "rounds": cfg.rounds, "quantization_gate": quantization_gate, **({"data": data} if data else {})}
+                  "rounds": cfg.rounds, "quantization_gate": quantization_gate, **({"data": data} if data else {}),
+                  **({"kv_cache_dtype": self.kv} if self.kv != UNQUANTIZED else {})}
         self.results["bench"] = self.runner.run("bench", inputs, out / "bench.json", do_bench)
+
+    def kv_layer(self, engine: EngineConfig) -> None:
+        """The ablation's KV cache layer, when the candidate's cache is quantized: the candidate with the
+        unquantized and the quantized cache at the top tier's concurrency, on long prompts, where the unquantized
+        cache is the limit. Without it, an earlier run's bench_kv.json is removed (it describes another cache)."""
+        cfg, path = self.cfg, self.out / "bench_kv.json"
+        if self.kv == UNQUANTIZED:
+            path.unlink(missing_ok=True)
+            return
+        write_json(path, bench_kv_layer(self.out / "checkpoint", self.kv, engine.replace(speculative=None),
+                                        concurrency=max(cfg.concurrency), num_requests=cfg.num_requests,
+                                        seed=cfg.seed, rounds=cfg.rounds))
 
 
 def _rejudge(cfg: SignoffConfig, policy: Policy, out: Path) -> dict[str, Any]:
@@ -215,8 +237,10 @@ def _decide(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: d
     bench = _load(out / "bench.json") if steps["bench"].get("status") == "ok" else None
     ablation = ablation_table(bench) if bench else None
     gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, ablation, quant)
+    kv = _load(out / "bench_kv.json") if bench else None
     evidence = Evidence(steps, gates, evals, _load(out / "sequential.json"), quant, ablation,
-                        _load(out / "diagnose.json") if steps["diagnose"].get("status") == "ok" else None)
+                        _load(out / "diagnose.json") if steps["diagnose"].get("status") == "ok" else None,
+                        kv_layer=kv["layer"] | {"config": kv["config"]} if kv else None)
     report = decide(evidence, config=asdict(cfg), policy=policy, provenance=provenance(
         model=model, recipe=recipe, policy={"name": policy.name, "path": policy.source}))
     return write_reports(out, report)

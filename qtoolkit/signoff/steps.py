@@ -30,6 +30,9 @@ class SignoffConfig:
     num_requests: int | None = None
     mean_output_tokens: int = 48
     speculative: str | None = None  # e.g. "ngram": adds the speculative-decoding layer to the ablation
+    # the candidate's KV cache in its eval and bench servers; auto: the checkpoint's kv_cache_scheme when it has
+    # one, else the model's dtype. A quantized cache adds the ablation's KV cache layer (bench_kv.json)
+    kv_cache_dtype: str = "auto"
     diagnose_batches: tuple[int, ...] = (1, 8)
     seed: int = 0
     rounds: int = 5  # of the throughput gates' systems at the top tier: the gates judge their spread

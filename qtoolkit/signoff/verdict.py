@@ -45,6 +45,7 @@ class Evidence:
     quant: QuantizeReport | None = None  # the candidate's quantize_report.json
     ablation: dict[str, Any] | None = None
     diagnose: dict[str, Any] | None = None
+    kv_layer: dict[str, Any] | None = None  # bench_kv.json's layer (bench.kv_layer.KVLayerRow), when it ran
 
 
 @dataclass
@@ -82,6 +83,7 @@ class SignoffReport:
                 for t, r in evals.tasks.items()} or None,
             "eval_models": None if evals is None else evals.models,
             "ablation": ev.ablation,
+            "kv_layer": ev.kv_layer,
             "diagnose": ev.diagnose,
         }
         return out
