@@ -45,7 +45,11 @@ class ControlledServer:
     def set_mode(self, *, batching: str | None = None, speculative: bool | None = None) -> dict[str, Any]:
         """Switch the idle engine's batching and/or speculation; the engine's mode after the switch."""
         body = {k: v for k, v in (("batching", batching), ("speculative", speculative)) if v is not None}
-        r = httpx.post(self.url + MODE_PATH, json=body, headers={CONTROL_HEADER: self.token}, timeout=60.0)
+        try:
+            r = httpx.post(self.url + MODE_PATH, json=body, headers={CONTROL_HEADER: self.token}, timeout=60.0)
+        except httpx.HTTPError as e:
+            raise QToolError(f"the server at {self.url} did not answer the mode switch ({e}): it may have died; "
+                             "run the same `qtool serve` by hand to see why") from None
         if r.status_code != 200:
             raise QToolError(f"the server at {self.url} refused the mode switch {body} ({r.status_code}: "
                              f"{r.text[:300]})")
