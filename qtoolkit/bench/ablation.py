@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,13 @@ from typing import Any
 from qtoolkit.evals.stats.paired import ratio_over_rounds
 
 from ..engine.config import EngineConfig
+from ..errors import QToolError
 from ..progress import status
 from ..provenance import provenance
-from ..server.process import server_process
+from ..server.process import ControlledServer, controlled_server
 from .load_client import requests_sha256, run_load, served_models, summarize, warm_up
-from .loop import TierLoop, TierRecord
+from .loop import Tier, TierLoop, TierRecord
+from .memory import peak_memory, sized_engine
 from .systems import System
 from .types import BenchRequest, Workload
 from .workloads import as_workload
@@ -67,55 +70,149 @@ def full_stack_system(systems: list[str]) -> str:
     return FULL_STACK.label if FULL_STACK.label in systems else FULL_STACK_PLAIN.label
 
 
-def _start(stack: contextlib.ExitStack, systems: list[System], models: dict[str, str], engine: EngineConfig,
-           seed: int) -> dict[str, tuple[str, str]]:
-    """One warmed-up `qtool serve` per system; label -> (base URL, served model name)."""
-    urls = {}
-    for system in systems:
-        status(f"starting server {system.label}")
-        url = stack.enter_context(server_process(models[str(system.quant)], system.engine_config(engine)))
-        served = asyncio.run(served_models(url))[0]
-        warm_up(url, served, seed=seed)
-        urls[system.label] = (url, served)
-    return urls
+def _mode(system: System, engine: EngineConfig) -> dict[str, Any]:
+    """The engine-mode switch that makes a loaded server run `system` (speculation only when a proposer is
+    loaded: without one every system is plain)."""
+    return {"batching": system.batching, "speculative": bool(system.speculative) if engine.speculative else None}
+
+
+@dataclass
+class _Bench:
+    """One sweep's shared parts: the engine options, the traffic, the systems and the running servers (at most
+    the baseline's and one candidate's), each switched to a system's mode before it is measured."""
+
+    engine: EngineConfig
+    traffic: Workload
+    systems: list[System]
+    seed: int
+    mean_output_tokens: int
+    max_output_tokens: int
+    rounds: int
+    repeat: list[str]
+    servers: dict[str, tuple[ControlledServer, str]] = field(default_factory=dict)
+
+    def start(self, stack: contextlib.ExitStack, quant: str, model: str) -> None:
+        status(f"starting the {quant} server ({model})")
+        server = stack.enter_context(controlled_server(model, self.engine))
+        served = asyncio.run(served_models(server.url))[0]
+        warm_up(server.url, served, seed=self.seed)
+        self.servers[quant] = (server, served)
+
+    def measure(self, label: str, reqs: list[BenchRequest], c: int, s: int) -> dict[str, Any]:
+        system = next(x for x in self.systems if x.label == label)
+        server, served = self.servers[str(system.quant)]
+        server.set_mode(**_mode(system, self.engine))  # also empties the prefix cache: a fresh server's state
+        res, duration = asyncio.run(run_load(server.url, served, reqs, concurrency=c, seed=s))
+        return summarize(res, duration)
+
+    def loop(self, labels: list[str]) -> TierLoop:
+        return TierLoop(labels, self.measure, self.traffic, self.seed, self.mean_output_tokens,
+                        self.max_output_tokens, self.rounds, repeat=[x for x in self.repeat if x in labels])
+
+
+def _split(systems: list[System], repeat: list[str]) -> tuple[list[str], list[str]]:
+    """(labels measured once on the baseline, labels measured with each candidate): each candidate's loop holds
+    its systems and the baseline systems its ratios pair with (baseline_static and any repeated one)."""
+    paired = [s.label for s in systems if s.quant == "candidate" or s == BASELINE_STATIC or s.label in repeat]
+    return [s.label for s in systems if s.label not in paired], paired
+
+
+def _merge(shared: list[Tier], own: list[Tier], labels: list[str]) -> list[dict[str, Any]]:
+    """A candidate's tiers: the shared baseline figures and its own loop's (paired in time), in `labels` order."""
+    out = []
+    for a, b in zip(shared, own, strict=True):
+        both = {**a.results, **b.results}
+        results = {x: both[x] for x in labels if x in both}
+        tier = Tier(b.concurrency, b.requests, results,
+                    None if a.rounds is None and b.rounds is None else {**(a.rounds or {}), **(b.rounds or {})})
+        out.append(tier.to_json())
+    return out
+
+
+def bench_candidates(baseline: str | Path, candidates: dict[str, str | Path], engine: EngineConfig | None = None, *,
+                     concurrency: list[int], num_requests: int | None = None, mean_output_tokens: int = 48,
+                     max_output_tokens: int = 96, workload: str | Workload = "mixed", seed: int = 0,
+                     rounds: int = 1, repeat: tuple[str, ...] = ("baseline_static", "full_stack"),
+                     on_candidate: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, dict[str, Any]]:
+    """The ablation of each candidate against one baseline, holding at most two servers (the baseline's, kept,
+    and one candidate's at a time), each switched between batching modes and speculation between measurements.
+
+    The baseline-only layers are measured once; each candidate's loop measures its systems with baseline_static
+    (and any repeated baseline system) interleaved on the same requests and rounds, so its ratios are paired in
+    time. Each result has bench_ablation's shape (the shared baseline figures included) plus `peak_memory`; a
+    candidate whose server fails gets {"error": ...} instead and the others go on. `on_candidate(name, result)`
+    runs as each one finishes."""
+    traffic = as_workload(workload)
+    # every server admits the top tier at once, whatever the caller's max_num_seqs
+    engine = (engine or EngineConfig()).replace(max_num_seqs=max(concurrency))
+    engine = sized_engine(engine, str(baseline), traffic, concurrency=max(concurrency), seed=seed,
+                          mean_output_tokens=mean_output_tokens, max_output_tokens=max_output_tokens)
+    systems = BASE_SYSTEMS + speculative_systems(engine.speculative)
+    labels = [s.label for s in systems]
+    bench = _Bench(engine, traffic, systems, seed, mean_output_tokens, max_output_tokens, rounds,
+                   [full_stack_system(labels) if x == "full_stack" else x for x in repeat])
+    once, paired = _split(systems, bench.repeat)
+    results: dict[str, dict[str, Any]] = {}
+    with peak_memory() as peak, contextlib.ExitStack() as stack:
+        bench.start(stack, "baseline", str(baseline))
+        server, served = bench.servers["baseline"]
+        server.set_mode(**_mode(BASELINE_STATIC, engine))
+        # a workload file's lines without max_tokens: the baseline's answer lengths (workload_files.py)
+        traffic.attach_length_probe(server.url, served, name=BASELINE_STATIC.label)
+        shared_loop = bench.loop(once)
+        shared = shared_loop.run(shared_loop.plan(concurrency, num_requests))
+        floor = peak.to_json()
+        for i, (name, path) in enumerate(candidates.items()):
+            status(f"bench: candidate {name} ({i + 1}/{len(candidates)})")
+            peak.new_window()
+            try:
+                result = _candidate(bench, str(baseline), str(path), shared, paired, concurrency, num_requests)
+                result["peak_memory"] = peak.to_json(window=True, floor=floor)
+            except QToolError as e:  # a candidate whose server cannot start must not cost the others theirs
+                result = {"error": f"{name}: {e}", "candidate": str(path)}
+            results[name] = result
+            if on_candidate is not None:
+                on_candidate(name, result)
+    return results
+
+
+def _candidate(bench: _Bench, baseline: str, candidate: str, shared: list[Tier], paired: list[str],
+               concurrency: list[int], num_requests: int | None) -> dict[str, Any]:
+    """One candidate's server started, its loop run, its server stopped; its bench.json."""
+    with contextlib.ExitStack() as stack:
+        bench.start(stack, "candidate", candidate)
+        loop = bench.loop(paired)
+        own = loop.run(loop.plan(concurrency, num_requests))
+    bench.servers.pop("candidate", None)
+    engine = bench.engine
+    return {**provenance(baseline=baseline, candidate=candidate, workload_sha256=requests_sha256(loop.requests),
+                         rounds_workload_sha256=requests_sha256(loop.round_requests)),
+            "config": {"concurrency": concurrency, "workload": bench.traffic.describe(),
+                       "speculative": engine.speculative, "mean_output_tokens": bench.mean_output_tokens,
+                       "max_output_tokens": bench.max_output_tokens, "seed": bench.seed,
+                       "systems": [s.label for s in bench.systems], "rounds": bench.rounds,
+                       "kv_cache_tokens": engine.kv_cache_tokens},
+            "tiers": _merge(shared, own, [s.label for s in bench.systems])}
 
 
 def bench_ablation(baseline: str | Path, candidate: str | Path, engine: EngineConfig | None = None, *,
                    concurrency: list[int], num_requests: int | None = None, mean_output_tokens: int = 48,
                    max_output_tokens: int = 96, workload: str | Workload = "mixed", seed: int = 0, rounds: int = 1,
                    repeat: tuple[str, ...] = ("baseline_static", "full_stack")) -> dict[str, Any]:
-    """Every system on the same requests, tier by tier, alternating the order between tiers.
+    """Every system on the same requests, tier by tier, alternating the order between tiers: bench_candidates
+    with one candidate (two servers, switched between systems); its failure is raised.
 
     `engine` holds the servers' engine options; its proposer (`speculative`) is the speculative layer's, and
     without one the layer is left out. With rounds > 1 the systems in `repeat` ("full_stack" names the top of
     the stack) serve the top tier again, rounds - 1 more times, each round on fresh requests and in alternating
     order: the throughput gates read the spread of the per-round ratios, i.e. how much a rerun could move them."""
-    # every server admits the top tier at once, whatever the caller's max_num_seqs
-    engine = (engine or EngineConfig()).replace(max_num_seqs=max(concurrency))
-    systems = BASE_SYSTEMS + speculative_systems(engine.speculative)
-    models = {"baseline": str(baseline), "candidate": str(candidate)}
-    traffic = as_workload(workload)
-    with contextlib.ExitStack() as stack:
-        urls = _start(stack, systems, models, engine, seed)
-
-        def measure(label: str, reqs: list[BenchRequest], c: int, s: int) -> dict[str, Any]:
-            res, duration = asyncio.run(run_load(*urls[label], reqs, concurrency=c, seed=s))
-            return summarize(res, duration)
-
-        # a workload file's lines without max_tokens: the baseline's answer lengths (workload_files.py)
-        traffic.attach_length_probe(*urls[BASELINE_STATIC.label], name=BASELINE_STATIC.label)
-        labels = list(urls)
-        loop = TierLoop(labels, measure, traffic, seed, mean_output_tokens, max_output_tokens, rounds,
-                        repeat=[full_stack_system(labels) if x == "full_stack" else x for x in repeat])
-        tiers = loop.run(loop.plan(concurrency, num_requests))
-    return {**provenance(baseline=models["baseline"], candidate=models["candidate"],
-                         workload_sha256=requests_sha256(loop.requests),
-                         rounds_workload_sha256=requests_sha256(loop.round_requests)),
-            "config": {"concurrency": concurrency, "workload": traffic.describe(),
-                       "speculative": engine.speculative, "mean_output_tokens": mean_output_tokens,
-                       "max_output_tokens": max_output_tokens, "seed": seed,
-                       "systems": [s.label for s in systems], "rounds": rounds},
-            "tiers": [t.to_json() for t in tiers]}
+    result = bench_candidates(baseline, {"candidate": candidate}, engine, concurrency=concurrency,
+                              num_requests=num_requests, mean_output_tokens=mean_output_tokens,
+                              max_output_tokens=max_output_tokens, workload=workload, seed=seed, rounds=rounds,
+                              repeat=repeat)["candidate"]
+    if "error" in result:
+        raise QToolError(result["error"])
+    return result
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,13 @@ class BlockManager:
             parent = h
         return hits
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the blocks stay where they are; only free blocks carry a stale hash)."""
+        for block_id in self.free:
+            block = self.blocks[block_id]
+            block.hash = block.tokens = None
+        self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].hash is not None}
+
     def take_prefix(self, seq: Sequence, block_ids: list[int]) -> None:
         """Give `seq` (holding no blocks yet) the matched cached blocks and mark those tokens computed."""
         assert not seq.block_table

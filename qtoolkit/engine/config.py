@@ -44,6 +44,9 @@ def _flag(help_text: str, **argparse_kwargs: Any) -> dict[str, Any]:
 class EngineConfig:
     kv_cache_memory: str | int = field(default="1GiB", metadata=_flag(
         "memory for the paged KV cache, e.g. 512MiB, 2GiB"))
+    kv_cache_tokens: int | None = field(default=None, metadata=_flag(
+        "size the paged KV cache in tokens instead (overrides --kv-cache-memory): what a known workload needs, "
+        "e.g. concurrency x (longest prompt + max output tokens)", type=int))
     kv_cache_dtype: str = field(default="auto", metadata=_flag(
         "KV cache storage: auto (the model's dtype), fp8 (E4M3) or int8, with one scale per token and KV head "
         "(a checkpoint's calibrated k_scale/v_scale when it has them); fp8/int8 fit ~4x the tokens of fp32",
@@ -88,6 +91,8 @@ class EngineConfig:
         if self.max_model_len is not None and not _positive_int(self.max_model_len):
             raise EngineInputError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         parse_memory(self.kv_cache_memory)
+        if self.kv_cache_tokens is not None and not _positive_int(self.kv_cache_tokens):
+            raise EngineInputError(f"kv_cache_tokens must be a positive integer, got {self.kv_cache_tokens!r}")
 
     @property
     def speculative_spec(self) -> SpeculativeSpec | None:
@@ -97,6 +102,18 @@ class EngineConfig:
     @property
     def kv_cache_bytes(self) -> int:
         return parse_memory(self.kv_cache_memory)
+
+    @property
+    def kv_budget(self) -> str:
+        """The KV cache's size as the user gave it, for log lines."""
+        return f"{self.kv_cache_tokens} tokens" if self.kv_cache_tokens else str(self.kv_cache_memory)
+
+    def kv_blocks(self, block_bytes: int) -> int:
+        """KV blocks of `block_bytes` each: kv_cache_tokens rounded up to whole blocks when set, else as many as
+        kv_cache_memory holds."""
+        if self.kv_cache_tokens:
+            return -(-self.kv_cache_tokens // self.block_size)
+        return self.kv_cache_bytes // block_bytes
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

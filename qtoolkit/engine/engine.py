@@ -23,7 +23,7 @@ from ..model.loader import load_model
 from ..model.sources import ModelSource, resolve_model
 from ..progress import bar, quiet
 from .block_manager import BlockManager
-from .config import EngineConfig
+from .config import BATCHING_MODES, EngineConfig
 from .model_runner import Chunk, ModelRunner, kv_bytes_per_block
 from .params import EngineInputError, RequestOutput, SamplingParams
 from .sampler import sample
@@ -35,13 +35,17 @@ from .speculative import (
     SpeculationPolicy,
     Speculator,
 )
-from .stats import EngineStats, SpeculativeStats
+from .stats import EngineMode, EngineStats, SpeculativeStats
 
 log = logging.getLogger(__name__)
 
 
 class EngineCapacityError(QToolError):
     """The KV cache is too small for what was asked."""
+
+
+class EngineBusyError(QToolError):
+    """The engine has requests in flight, so its mode cannot change now."""
 
 
 class Engine:
@@ -58,13 +62,13 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.source.path)
         self.model = load_model(self.source, dtype)
         block_bytes = kv_bytes_per_block(self.model, block_size, config.kv_cache_dtype)
-        num_blocks = config.kv_cache_bytes // block_bytes
+        num_blocks = config.kv_blocks(block_bytes)
         if num_blocks < 2:
-            raise EngineCapacityError(f"kv_cache_memory {config.kv_cache_memory} holds {num_blocks} KV blocks: "
-                                      f"give it at least {2 * block_bytes} bytes")
+            raise EngineCapacityError(f"a KV cache of {config.kv_budget} holds {num_blocks} KV blocks: give it at "
+                                      f"least {2 * block_bytes} bytes ({2 * block_size} tokens)")
         self.kv_bytes_per_token = block_bytes // block_size
         log.info("KV cache: %s, %d blocks of %d tokens = %d tokens in %s (%d bytes a token)", config.kv_cache_dtype,
-                 num_blocks, block_size, num_blocks * block_size, config.kv_cache_memory, self.kv_bytes_per_token)
+                 num_blocks, block_size, num_blocks * block_size, config.kv_budget, self.kv_bytes_per_token)
         self.max_model_len = min(self.model.config.max_position_embeddings, num_blocks * block_size,
                                  config.max_model_len or 1 << 62)
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
@@ -80,6 +84,7 @@ class Engine:
             max_num_seqs=max_num_seqs)
         if self.speculator is not None:
             self.max_model_len = min(self.max_model_len, self.speculator.max_model_len)
+        self._loaded_speculator = self.speculator  # kept while speculation is switched off (set_mode)
         self.eos_token_ids = self._eos_ids()
         self._seqs: dict[str, Sequence] = {}
         self._inbox: deque[tuple[str, object]] = deque()
@@ -243,6 +248,31 @@ class Engine:
         elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             seq.finish("length")
 
+    # -- mode -------------------------------------------------------------------------------------------------
+    @property
+    def mode(self) -> EngineMode:
+        return EngineMode(self.scheduler.batching, self.speculator is not None,
+                          self.config.speculative if self._loaded_speculator is not None else None)
+
+    def set_mode(self, *, batching: str | None = None, speculative: bool | None = None) -> EngineMode:
+        """Switch batching (continuous/static) and whether the loaded proposer is used, on an idle engine only.
+
+        One loaded engine then measures several systems in turn (the bench's layers) instead of one process
+        per system. The prefix cache is emptied, so the next measurement finds the cache a fresh server would."""
+        if batching is not None and batching not in BATCHING_MODES:
+            raise EngineInputError(f"batching {batching!r} is unknown: use continuous or static")
+        if speculative and self._loaded_speculator is None:
+            raise EngineInputError("this engine has no proposer to switch on: start it with --speculative")
+        with self._lock:
+            if self.has_unfinished_requests():
+                raise EngineBusyError("the engine is running requests: switch its mode when none are in flight")
+            if batching is not None:
+                self.scheduler.batching = batching
+            if speculative is not None:
+                self.speculator = self._loaded_speculator if speculative else None
+            self.block_manager.reset_prefix_cache()
+            return self.mode
+
     # -- batch helpers --------------------------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams],
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -336,7 +366,7 @@ class Engine:
             kv_blocks_free=bm.num_free_blocks, block_size=bm.block_size,
             kv_cache_dtype=self.config.kv_cache_dtype, kv_bytes_per_token=self.kv_bytes_per_token,
             num_preemptions=self.scheduler.num_preemptions, prefix_cache_hit_tokens=bm.num_prefix_hits,
-            **self.counters, speculative=self._speculative_stats())
+            **self.counters, speculative=self._speculative_stats(), batching=self.scheduler.batching)
 
     def _speculative_stats(self) -> SpeculativeStats | None:
         if self.speculator is None:

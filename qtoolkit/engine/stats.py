@@ -56,6 +56,7 @@ class EngineStats:
     steps: int = 0
     requests_finished: int = 0
     speculative: SpeculativeStats | None = None  # None when the engine does not speculate
+    batching: str = "continuous"  # the scheduler's mode now (Engine.set_mode switches it)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -65,3 +66,16 @@ class EngineStats:
     @property
     def kv_cache_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(frozen=True)
+class EngineMode:
+    """What an engine runs as now: its batching, whether it speculates, and the proposer it has loaded (None:
+    started without one, so speculation cannot be switched on)."""
+
+    batching: str
+    speculating: bool
+    proposer: str | None
+
+    def to_json(self) -> dict[str, str | bool | None]:
+        return {"batching": self.batching, "speculating": self.speculating, "proposer": self.proposer}

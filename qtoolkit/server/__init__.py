@@ -17,6 +17,7 @@ from ..engine.config import EngineConfig
 from ..errors import QToolError
 from ..progress import status
 from .app import DEFAULT_REQUEST_TIMEOUT_S, create_app
+from .control import control_token_from_env
 from .drain import DEFAULT_SHUTDOWN_TIMEOUT_S, END_GRACE_S, DrainingServer
 from .guard import DEFAULT_MAX_BODY_BYTES
 
@@ -88,18 +89,20 @@ def serve(model: Any = "default", config: EngineConfig | None = None, *, host: s
     """Load `model` into an engine built from `config` and serve it until SIGTERM or SIGINT; then drain (in-flight
     requests get `shutdown_timeout_s` to finish, the rest end cleanly) and return."""
     config = config or EngineConfig()
+    control_token = control_token_from_env()
     if not _is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
     check_port_free(host, port)
-    status(f"loading {model} ({config.batching} batching, KV cache {config.kv_cache_memory})")
+    status(f"loading {model} ({config.batching} batching, KV cache {config.kv_budget})")
     engine = build_engine_off_main_thread(model, config)
     st = engine.stats()
-    status(f"KV cache: {st.kv_cache_dtype}, {st.kv_capacity_tokens} tokens fit in {config.kv_cache_memory} "
+    status(f"KV cache: {st.kv_cache_dtype}, {st.kv_capacity_tokens} tokens fit in {config.kv_budget} "
            f"({st.kv_bytes_per_token} bytes a token)")
     names = [engine.model_name] + [str(model)] * (str(model) != engine.model_name)
     app = create_app(engine, served_model_names=names, api_key=api_key, max_waiting=max_waiting,
                      max_body_bytes=max_body_bytes, metrics_need_key=metrics_need_key,
-                     request_timeout_s=request_timeout_s, shutdown_timeout_s=shutdown_timeout_s)
+                     request_timeout_s=request_timeout_s, shutdown_timeout_s=shutdown_timeout_s,
+                     control_token=control_token)
     status(f"serving {engine.model_name} on http://{host}:{port}/v1")
     # uvicorn's own graceful timeout starts after the drain, which has already ended every request
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.params import SamplingParams
 from ..errors import QToolError
+from .control import add_control_routes
 from .drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, DrainGate
 from .driver import EngineDriver, EngineStopped, Overloaded
 from .generation import Generation
@@ -181,9 +182,10 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
 def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_key: str | None = None,
                max_waiting: int = 256, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                metrics_need_key: bool = False, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-               shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> Any:
+               shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, control_token: str | None = None) -> Any:
     """An ASGI app over `engine`. In-flight requests are bounded by the engine's max_num_seqs + max_waiting;
-    past it: 503. On shutdown, in-flight requests get `shutdown_timeout_s` to finish (drain.py).
+    past it: 503. On shutdown, in-flight requests get `shutdown_timeout_s` to finish (drain.py). With a
+    `control_token`, the engine-mode switch (control.py) is served too.
 
     The FastAPI app is `app.app.app` behind the guard (key and body size) and the drain gate; `app.state.qtool`
     is the server state."""
@@ -206,6 +208,7 @@ def create_app(engine: Any, *, served_model_names: list[str] | None = None, api_
     _add_error_handlers(app, state)
     _add_info_routes(app, state)
     _add_completion_routes(app, state)
+    add_control_routes(app, state, control_token)
     return GuardMiddleware(DrainGate(app, state.drain), api_key=api_key, max_body_bytes=max_body_bytes,
                            metrics_need_key=metrics_need_key,
                            on_reject=lambda status: state.metrics.rejected.labels(str(status)).inc())

@@ -104,6 +104,15 @@ class EngineDriver:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    async def set_mode(self, **changes: Any) -> Any:
+        """Engine.set_mode(**changes) on the engine thread, between steps; its result or its exception."""
+        if not self.alive:
+            raise EngineStopped(self.why_not_alive())
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._commands.put(("mode", changes, loop, done))
+        return await done
+
     # ---- engine-thread side ----------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -167,6 +176,14 @@ class EngineDriver:
                 _post(sink, EngineFailure(str(e), 400 if isinstance(e, QToolError) else 500))
                 return False
             self._sinks[rid] = sink
+            return True
+        if cmd[0] == "mode":
+            _, changes, loop, done = cmd
+            try:
+                _settle(loop, done, self.engine.set_mode(**changes))
+            except Exception as e:  # busy (409) or a bad value (400): the caller answers it
+                _settle(loop, done, error=e)
+                return False
             return True
         if cmd[0] == "abort":
             rid = cmd[1]
@@ -243,11 +260,29 @@ class EngineDriver:
                     self._apply(cmd)
             elif cmd[0] == "add":
                 _post(cmd[4], EngineFailure(reason, 503))
+            elif cmd[0] == "mode":
+                _settle(cmd[2], cmd[3], error=EngineStopped(reason))
 
 
 def _post(sink: _Sink, item: Any) -> None:
     try:
         sink.loop.call_soon_threadsafe(sink.queue.put_nowait, (sink.index, item))
+    except RuntimeError:  # its event loop is closed
+        pass
+
+
+def _settle(loop: asyncio.AbstractEventLoop, done: asyncio.Future, result: Any = None, *,
+            error: BaseException | None = None) -> None:
+    """Resolve a future of the event loop from the engine thread (unless its caller has gone)."""
+    def resolve() -> None:
+        if done.done():
+            return
+        if error is None:
+            done.set_result(result)
+        else:
+            done.set_exception(error)
+    try:
+        loop.call_soon_threadsafe(resolve)
     except RuntimeError:  # its event loop is closed
         pass
 

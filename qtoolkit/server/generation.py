@@ -130,8 +130,9 @@ class Generation:
         return sum(self.num_output_tokens)
 
     def usage_extra(self) -> dict[str, Any]:
-        """Usage-block extension: this request's speculative decoding figures, when the engine speculates."""
-        if self.driver.engine.config.speculative is None:
+        """Usage-block extension: this request's speculative decoding figures, when the engine speculates (now:
+        a benchmark may have switched its proposer off, and then the server answers as a plain one)."""
+        if not self.driver.engine.mode.speculating:
             return {}
         usage = sum((f.speculative for f in self.final if f is not None), SpeculativeUsage())
         return {"speculative": usage.as_dict()}

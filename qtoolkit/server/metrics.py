@@ -118,6 +118,8 @@ class _EngineCollector:
                      st.kv_bytes_per_token)
         yield _gauge("qtool_generation_tokens_per_second",
                      f"Generated tokens per second over the last {_RATE_WINDOW_S} s", self.metrics.rate.rate())
+        yield _gauge("qtool_engine_static_batching", "1 while the engine batches statically (a batch starts only when "
+                     "the previous one ended), 0 while it batches continuously", int(st.batching == "static"))
         yield _counter("vllm:num_preemptions", "Sequences preempted since start", st.num_preemptions)
         yield _counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache",
                        st.prefix_cache_hit_tokens)

@@ -1,10 +1,14 @@
-"""Run `qtool serve` in a subprocess on a free loopback port (for benchmarks: the server gets its own GIL)."""
+"""Run `qtool serve` in a subprocess on a free loopback port (for benchmarks: the server gets its own GIL).
+
+`controlled_server` also hands the server a fresh random control token, so the benchmark that started it (and
+nobody else) can switch its engine's batching and speculation between measurements (control.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -12,6 +16,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -19,9 +25,35 @@ from ..engine.config import EngineConfig
 from ..errors import QToolError
 from ..launch import python_module_argv
 
+CONTROL_TOKEN_ENV = "QTOOL_CONTROL_TOKEN"
+CONTROL_HEADER = "X-Qtool-Control-Token"
+MODE_PATH = "/qtool/engine/mode"
+
 
 class ServerStartError(QToolError):
     """The server subprocess exited or never became healthy."""
+
+
+@dataclass(frozen=True)
+class ControlledServer:
+    """A `qtool serve` subprocess this process may switch: its base URL, control token and process id."""
+
+    url: str
+    token: str
+    pid: int
+
+    def set_mode(self, *, batching: str | None = None, speculative: bool | None = None) -> dict[str, Any]:
+        """Switch the idle engine's batching and/or speculation; the engine's mode after the switch."""
+        body = {k: v for k, v in (("batching", batching), ("speculative", speculative)) if v is not None}
+        try:
+            r = httpx.post(self.url + MODE_PATH, json=body, headers={CONTROL_HEADER: self.token}, timeout=60.0)
+        except httpx.HTTPError as e:
+            raise QToolError(f"the server at {self.url} did not answer the mode switch ({e}): it may have died; "
+                             "run the same `qtool serve` by hand to see why") from None
+        if r.status_code != 200:
+            raise QToolError(f"the server at {self.url} refused the mode switch {body} ({r.status_code}: "
+                             f"{r.text[:300]})")
+        return r.json()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -32,18 +64,23 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @contextlib.contextmanager
 def server_process(model: str, config: EngineConfig | None = None, *, max_waiting: int = 256,
-                   startup_timeout_s: float = 900.0, extra_args: list[str] | None = None) -> Iterator[str]:
+                   startup_timeout_s: float = 900.0, extra_args: list[str] | None = None,
+                   env: dict[str, str] | None = None, on_start: Callable[[int], None] | None = None) -> Iterator[str]:
     """Yield the base URL of a healthy `qtool serve` running `config`; stop it (SIGTERM, then SIGKILL) on exit.
 
-    The config crosses the process boundary as the serve command's own flags (EngineConfig.to_cli_args)."""
+    The config crosses the process boundary as the serve command's own flags (EngineConfig.to_cli_args); `env`
+    adds to the child's environment; `on_start(pid)` is called once the child runs."""
     port = free_port()
     cmd = [*python_module_argv("qtoolkit"), "serve", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), *(config or EngineConfig()).to_cli_args(), "--max-waiting", str(max_waiting),
            "--log-level", "warning", *(extra_args or [])]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    child_env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {}))
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_parent_death_signal())
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
+                                preexec_fn=_parent_death_signal())
         try:
+            if on_start is not None:
+                on_start(proc.pid)
             base_url = f"http://127.0.0.1:{port}"
             _wait_healthy(proc, base_url, startup_timeout_s, log)
             yield base_url
@@ -55,6 +92,15 @@ def server_process(model: str, config: EngineConfig | None = None, *, max_waitin
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+@contextlib.contextmanager
+def controlled_server(model: str, config: EngineConfig | None = None, **kwargs: Any) -> Iterator[ControlledServer]:
+    """server_process with the engine-mode switch on, under a fresh token only this process knows."""
+    token = secrets.token_urlsafe(32)
+    pid: list[int] = []
+    with server_process(model, config, env={CONTROL_TOKEN_ENV: token}, on_start=pid.append, **kwargs) as url:
+        yield ControlledServer(url, token, pid[0])
 
 
 def _parent_death_signal() -> Callable[[], None] | None:
