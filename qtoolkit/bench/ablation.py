@@ -93,7 +93,9 @@ class _Bench:
 
     def start(self, stack: contextlib.ExitStack, quant: str, model: str) -> None:
         status(f"starting the {quant} server ({model})")
-        server = stack.enter_context(controlled_server(model, self.engine))
+        # a quantized KV cache belongs to the candidate: the baseline keeps the model's own cache
+        engine = self.engine.replace(kv_cache_dtype="auto") if quant == "baseline" else self.engine
+        server = stack.enter_context(controlled_server(model, engine))
         served = asyncio.run(served_models(server.url))[0]
         warm_up(server.url, served, seed=self.seed)
         self.servers[quant] = (server, served)

@@ -9,7 +9,6 @@ reaches it is at most 5% (qtoolkit/signoff/family.py).
 
 from __future__ import annotations
 
-import resource
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,13 +145,6 @@ def pareto_plot(rows: list[Row]) -> str | None:
     return _png(fig)
 
 
-def _peak_rss() -> dict[str, int]:
-    """Peak resident memory of this process and of its largest finished child (servers, sandboxes), bytes."""
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    return {"process_bytes": own, "largest_child_bytes": child}
-
-
 def _markdown(data: dict[str, Any], rows: list[Row]) -> str:
     lines = [f"# Release sign-off over {len(rows)} candidates: {data['verdict']}", "", f"**{data['line']}**", "",
              "| rank | candidate | verdict | at its family share | linear bytes vs bf16 | full stack vs baseline "
@@ -165,8 +157,9 @@ def _markdown(data: dict[str, Any], rows: list[Row]) -> str:
     lines += ["", f"Family-wise error: {FAMILY_METHOD}. A candidate's verdict is its single sign-off's (gates at 95%); "
               "the recommendation reads the same evidence again at the candidate's share, so the chance that any "
               "false PASS reaches it is at most 5%.", "",
-              f"Peak memory: this process {data['peak_memory']['process_bytes'] / 2**30:.2f} GiB, its largest "
-              f"child {data['peak_memory']['largest_child_bytes'] / 2**30:.2f} GiB.", ""]
+              f"Peak memory of the whole process tree (this process, its servers and sandboxes): "
+              f"{data['peak_memory']['rss_bytes'] / 2**30:.2f} GiB over {data['peak_memory']['processes']} processes "
+              f"(at most {data['peak_memory']['servers']} servers at once).", ""]
     for r in rows:
         if r.error:
             lines.append(f"- `{r.name}` could not be judged: {_cell(r.error)}")
@@ -179,7 +172,7 @@ def _markdown(data: dict[str, Any], rows: list[Row]) -> str:
 
 
 def write_sweep_reports(out: Path, cfg: SignoffConfig, policy: Policy, rows: list[Row], recipes: list[str],
-                        model: dict[str, Any]) -> dict[str, Any]:
+                        model: dict[str, Any], peak: dict[str, Any]) -> dict[str, Any]:
     name, line, code = recommendation(rows)
     verdict = RECOMMENDED if name else next(v for v, c in verdicts.EXIT_CODES.items() if c == code)
     data = {**provenance(model=model, policy={"name": policy.name, "path": policy.source},
@@ -188,7 +181,7 @@ def write_sweep_reports(out: Path, cfg: SignoffConfig, policy: Policy, rows: lis
             "family_wise": {"method": FAMILY_METHOD, "alpha": 0.05},
             "candidates": [r.to_json() | {"report": str(Path("candidates") / r.name / "report.html")}
                            for r in rows],
-            "ranking": [r.name for r in ranked(rows)], "peak_memory": _peak_rss(),
+            "ranking": [r.name for r in ranked(rows)], "peak_memory": peak,
             "config": {k: v for k, v in cfg.__dict__.items() if k != "baseline_generations"}}
     md = _markdown(data, rows)
     write_json(out / "report.json", data)

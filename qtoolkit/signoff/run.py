@@ -181,26 +181,39 @@ class _Run:
 
         self.results["eval"] = self.runner.run("eval", inputs, out / "eval.json", do_eval)
 
-    def bench_step(self) -> None:
-        cfg, policy, out, data = self.cfg, self.policy, self.out, self.data
+    def bench_plan(self) -> tuple[dict[str, Any], EngineConfig, dict[str, Any]]:
+        """The bench step's reuse key, the servers' engine options and the ablation's arguments."""
+        cfg, policy, data = self.cfg, self.policy, self.data
         quantization_gate = policy.throughput.min_quantization_speedup is not None
-
-        def do_bench() -> None:
-            repeat = ["baseline_static", "full_stack"] + (["candidate_static"] if quantization_gate else [])
-            engine = EngineConfig(speculative=cfg.speculative, kv_cache_dtype=self.kv)
-            write_json(out / "bench.json", bench_ablation(
-                self.source.path, out / "checkpoint", engine,
-                concurrency=cfg.concurrency, num_requests=cfg.num_requests,
-                mean_output_tokens=cfg.mean_output_tokens, seed=cfg.seed,
-                rounds=cfg.rounds, repeat=tuple(repeat),
-                workload=custom_signoff.bench_workload(cfg.data, out / "eval.json")))
-            self.kv_layer(engine)
-
+        repeat = ["baseline_static", "full_stack"] + (["candidate_static"] if quantization_gate else [])
+        engine = EngineConfig(speculative=cfg.speculative, kv_cache_dtype=self.kv)
+        kwargs = {"concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
+                  "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed, "rounds": cfg.rounds,
+                  "repeat": tuple(repeat), "workload": custom_signoff.bench_workload(cfg.data, self.out / "eval.json")}
         inputs = {"candidate": self.cand_key, "baseline": self.source.sha256, "systems": [s.label for s in BASE_SYSTEMS],
                   "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
                   "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed, "speculative": cfg.speculative,
                   "rounds": cfg.rounds, "quantization_gate": quantization_gate, **({"data": data} if data else {}),
                   **({"kv_cache_dtype": self.kv} if self.kv != UNQUANTIZED else {})}
+        return inputs, engine, kwargs
+
+    def bench_done(self) -> bool:
+        """Whether an earlier run with the same inputs finished the bench step (a rerun reuses it)."""
+        return self.runner.finished("bench", self.bench_plan()[0], self.out / "bench.json")
+
+    def bench_step(self, measured: dict[str, Any] | None = None) -> None:
+        """The ablation (or `measured`: this candidate's result of a sweep's shared bench) into bench.json."""
+        out = self.out
+        inputs, engine, kwargs = self.bench_plan()
+
+        def do_bench() -> None:
+            result = measured if measured is not None else bench_ablation(
+                self.source.path, out / "checkpoint", engine, **kwargs)
+            if "error" in result:  # the sweep's bench could not serve this candidate
+                raise QToolError(result["error"])
+            write_json(out / "bench.json", result)
+            self.kv_layer(engine)
+
         self.results["bench"] = self.runner.run("bench", inputs, out / "bench.json", do_bench)
 
     def kv_layer(self, engine: EngineConfig) -> None:

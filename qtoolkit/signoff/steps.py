@@ -65,6 +65,11 @@ class StepRunner:
     def key(inputs: dict[str, Any]) -> str:
         return text_sha256(json.dumps(inputs, sort_keys=True, default=str))
 
+    def finished(self, name: str, inputs: dict[str, Any], output: Path) -> bool:
+        """An earlier run with the same inputs finished the step and its output is there."""
+        prev = self.state.get(name) or {}
+        return prev.get("key") == self.key(inputs) and prev.get("status") == "ok" and output.exists()
+
     def interrupted(self, name: str, inputs: dict[str, Any]) -> bool:
         """True when an earlier run of this step, with the same inputs, stopped midway (its partial output can
         be resumed rather than discarded)."""
@@ -84,7 +89,7 @@ class StepRunner:
         never taken as finished."""
         key = self.key(inputs)
         prev = self.state.get(name)
-        if prev and prev.get("key") == key and prev.get("status") == "ok" and output.exists():
+        if self.finished(name, inputs, output):
             status(f"{name}: up to date ({output.name}), skipped")
             return {**prev, "skipped": True}
         status(f"{name}: running")

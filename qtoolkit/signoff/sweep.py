@@ -18,8 +18,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..bench.ablation import ablation_table
+from ..bench.ablation import ablation_table, bench_candidates
 from ..bench.deployment import throughput_table
+from ..bench.kv_layer import UNQUANTIZED
+from ..bench.memory import peak_memory
 from ..diagnose.run import diagnose
 from ..errors import OutputWriteError, QToolError
 from ..evals.custom import custom_tasks
@@ -82,16 +84,18 @@ def signoff_sweep(cfg: SignoffConfig) -> dict[str, Any]:
     cands = [Candidate(n, s, replace(cfg, recipe=s, output=str(out / "candidates" / n),
                                      baseline_generations=generations)) for n, s in zip(names, specs, strict=True)]
     try:
-        for i, (c, recipe) in enumerate(zip(cands, recipes, strict=True)):
-            status(f"candidate {i + 1}/{len(cands)} {c.name}: quantize and evaluate")
-            _guard(c, lambda c=c, recipe=recipe: _start(c, policy, recipe, source))
-        _bench(cands, policy)
-        _diagnose(cands, shared, cfg, source)
-        for c in cands:
-            if c.run is not None and c.error is None:
-                _guard(c, lambda c=c: _report(c, policy, source))
-        _family(cands, _local_judge(source, policy))
-        return write_sweep_reports(out, cfg, policy, [row_of(c, policy) for c in cands], specs, source.describe())
+        with peak_memory() as peak:  # the whole process tree: this process, its servers, sandboxes, compilers
+            for i, (c, recipe) in enumerate(zip(cands, recipes, strict=True)):
+                status(f"candidate {i + 1}/{len(cands)} {c.name}: quantize and evaluate")
+                _guard(c, lambda c=c, recipe=recipe: _start(c, policy, recipe, source))
+            _bench(cands, policy, source)
+            _diagnose(cands, shared, cfg, source)
+            for c in cands:
+                if c.run is not None and c.error is None:
+                    _guard(c, lambda c=c: _report(c, policy, source))
+            _family(cands, _local_judge(source, policy))
+        return write_sweep_reports(out, cfg, policy, [row_of(c, policy) for c in cands], specs, source.describe(),
+                                   peak.to_json())
     finally:
         shared.lock.release()
         for c in cands:
@@ -142,17 +146,39 @@ def _already_failed(c: Candidate, policy: Policy) -> str | None:
     return f"gate {', '.join(failed)} already fails" if failed else None
 
 
-def _bench(cands: list[Candidate], policy: Policy) -> None:
-    """Benchmark the candidates a throughput figure can still decide, one after another."""
-    live = [c for c in cands if c.run is not None and c.error is None]
-    for i, c in enumerate(live):
+def _bench(cands: list[Candidate], policy: Policy, source: ModelSource) -> None:
+    """Benchmark the candidates a throughput figure can still decide. Those with the model's own KV cache and the
+    built-in traffic share one bench (bench_candidates: the baseline's server kept and its own layers measured
+    once, one candidate's server at a time); the others are benchmarked one after another."""
+    todo = []
+    for c in (c for c in cands if c.run is not None and c.error is None):
         assert c.run is not None and c.run.results is not None
         reason = _already_failed(c, policy)
         if reason:
             c.run.results["bench"] = c.run.runner.skip("bench", f"not benchmarked: {reason}")
-            continue
-        status(f"candidate {c.name} ({i + 1}/{len(live)}): benchmark")
-        _guard(c, c.run.bench_step)
+        else:
+            todo.append(c)
+    group = {c.name: c for c in todo if not c.run.bench_done() and c.run.kv == UNQUANTIZED and not c.cfg.data}
+    if len(group) > 1:
+        first = next(iter(group.values())).run
+        _, engine, kwargs = first.bench_plan()
+        status(f"benchmark: {', '.join(group)} against one baseline server")
+
+        def record(name: str, result: dict[str, Any]) -> None:
+            _guard(group[name], lambda: group[name].run.bench_step(result))
+
+        try:
+            bench_candidates(source.path, {n: c.folder / "checkpoint" for n, c in group.items()}, engine,
+                             on_candidate=record, **kwargs)
+        except OutputWriteError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the baseline's server failed: every candidate of the group errs
+            for c in group.values():
+                c.error = c.error or f"the shared bench failed: {type(e).__name__}: {e}"
+    for i, c in enumerate(todo):
+        if c.error is None and "bench" not in c.run.results:
+            status(f"candidate {c.name} ({i + 1}/{len(todo)}): benchmark")
+            _guard(c, c.run.bench_step)
 
 
 def _diagnose(cands: list[Candidate], shared: StepRunner, cfg: SignoffConfig, source: ModelSource) -> None:
@@ -264,12 +290,14 @@ def signoff_endpoint_sweep(cfg: SignoffConfig, pairs: list[tuple[str, str]]) -> 
     cands = [Candidate(n, url, replace(cfg, candidate_endpoint=url, output=str(out / "candidates" / n),
                                        baseline_generations=generations)) for n, url in pairs]
     try:
-        for i, c in enumerate(cands):
-            status(f"candidate {i + 1}/{len(cands)} {c.name} ({c.spec}): deployment sign-off")
-            _guard(c, lambda c=c: setattr(c, "report", signoff_deployments(c.cfg)))
-        _family(cands, _endpoint_judge(policy))
+        with peak_memory() as peak:
+            for i, c in enumerate(cands):
+                status(f"candidate {i + 1}/{len(cands)} {c.name} ({c.spec}): deployment sign-off")
+                _guard(c, lambda c=c: setattr(c, "report", signoff_deployments(c.cfg)))
+            _family(cands, _endpoint_judge(policy))
         return write_sweep_reports(out, cfg, policy, [row_of(c, policy) for c in cands], [u for _, u in pairs],
-                                   {"tokenizer": cfg.model, "baseline_endpoint": cfg.baseline_endpoint})
+                                   {"tokenizer": cfg.model, "baseline_endpoint": cfg.baseline_endpoint},
+                                   peak.to_json())
     finally:
         shared.lock.release()
 
