@@ -83,9 +83,10 @@ class SignoffReport:
                 for t, r in evals.tasks.items()} or None,
             "eval_models": None if evals is None else evals.models,
             "ablation": ev.ablation,
-            "kv_layer": ev.kv_layer,
             "diagnose": ev.diagnose,
         }
+        if ev.kv_layer is not None:  # only a sign-off whose candidate has a quantized KV cache runs the layer
+            out["kv_layer"] = ev.kv_layer
         return out
 
 
