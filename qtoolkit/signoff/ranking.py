@@ -158,8 +158,8 @@ def _markdown(data: dict[str, Any], rows: list[Row]) -> str:
               "the recommendation reads the same evidence again at the candidate's share, so the chance that any "
               "false PASS reaches it is at most 5%.", "",
               f"Peak memory of the whole process tree (this process, its servers and sandboxes): "
-              f"{data['peak_memory']['rss_bytes'] / 2**30:.2f} GiB over {data['peak_memory']['processes']} processes "
-              f"(at most {data['peak_memory']['servers']} servers at once).", ""]
+              f"{data['peak_memory']['rss_bytes'] / 2**30:.2f} GiB summed over {data['peak_memory']['processes']} "
+              "processes at its peak.", ""]
     for r in rows:
         if r.error:
             lines.append(f"- `{r.name}` could not be judged: {_cell(r.error)}")
