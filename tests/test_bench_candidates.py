@@ -13,6 +13,8 @@ from qtoolkit.bench.ablation import ablation_table, bench_ablation, bench_candid
 from qtoolkit.engine.config import EngineConfig
 from qtoolkit.errors import QToolError
 
+pytestmark = pytest.mark.slow  # real servers, several rounds: minutes on 2 cores
+
 SMALL = {"num_requests": 2, "mean_output_tokens": 4, "max_output_tokens": 8, "seed": 3}
 PROVENANCE = {"baseline", "candidate", "workload_sha256", "rounds_workload_sha256"}
 
