@@ -143,7 +143,9 @@ def _already_failed(c: Candidate, policy: Policy) -> str | None:
     evals = EvalResults.load(c.folder / "eval.json")
     gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals, None, c.run.quant)
     failed = [g.name for g in gates if g.verdict == verdicts.FAIL]
-    return f"gate {', '.join(failed)} already fails" if failed else None
+    if not failed:
+        return None
+    return f"gate {failed[0]} already fails" if len(failed) == 1 else f"gates {', '.join(failed)} already fail"
 
 
 def _bench(cands: list[Candidate], policy: Policy, source: ModelSource) -> None:
