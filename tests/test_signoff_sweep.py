@@ -14,7 +14,7 @@ from qtoolkit.signoff.error_spending import plan
 from qtoolkit.signoff.family import fallback, look_levels
 from qtoolkit.signoff.judge import Gate
 from qtoolkit.signoff.policy import load_policy
-from qtoolkit.signoff.ranking import Row, limit_fraction, ranked, recommendation
+from qtoolkit.signoff.ranking import Row, limit_fraction, ranked, recommendation, worst_gate
 from qtoolkit.signoff.sequential import stages
 
 
@@ -56,6 +56,13 @@ def test_recommendation_is_the_cheapest_family_pass_and_exit_codes_follow_the_ru
     assert (name, code) == (None, 1) and "the closest is `a` because gate x fail: far" in line
     assert recommendation([_row("a", "INCONCLUSIVE", "INCONCLUSIVE", 0.5), _row("b", "FAIL", "FAIL", 0.2)])[2] == 3
     assert recommendation([_row("a", "ERROR", "ERROR", 0.5, None), _row("b", "FAIL", "FAIL", 0.2)])[2] == 2
+
+
+def test_worst_gate_skips_a_gate_without_evidence():
+    policy = load_policy("default")
+    gates = [Gate("code", "pass_at_1_drop", False, "", 0.0, 0.5, verdict="NO EVIDENCE", required=False),
+             Gate("code", "kld_mean", True, "", 0.01, 0.05, verdict="PASS")]
+    assert worst_gate(gates, policy) == ("code.kld_mean", pytest.approx(0.5))
 
 
 def test_limit_fraction_reads_each_gate_against_its_own_limit():

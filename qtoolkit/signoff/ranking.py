@@ -70,7 +70,9 @@ def limit_fraction(g: Gate, policy: Policy) -> float | None:
 
 
 def worst_gate(gates: list[Gate], policy: Policy, quality_only: bool = False) -> tuple[str | None, float | None]:
-    scored = [(f, g.name) for g in gates if (f := limit_fraction(g, policy)) is not None
+    # a gate without evidence (HumanEval pass@1 where the baseline solves too little) judges nothing
+    scored = [(f, g.name) for g in gates if g.verdict != verdicts.NO_EVIDENCE
+              and (f := limit_fraction(g, policy)) is not None
               and (not quality_only or g.task not in ("throughput", "memory"))]
     if not scored:
         return None, None
