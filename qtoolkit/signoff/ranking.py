@@ -81,12 +81,16 @@ def worst_gate(gates: list[Gate], policy: Policy, quality_only: bool = False) ->
 
 
 def ranked(rows: list[Row]) -> list[Row]:
-    """Recommendable first, then PASS, INCONCLUSIVE, FAIL, ERROR; cheapest first within each."""
+    """Recommendable first, then PASS, INCONCLUSIVE, FAIL, ERROR: the passing ones cheapest first, the others
+    nearest their limits first (the candidate to look at next)."""
     order = {verdicts.PASS: 1, verdicts.INCONCLUSIVE: 2, verdicts.FAIL: 3, verdicts.ERROR: 4}
+    inf = float("inf")
 
     def key(r: Row) -> tuple[int, float]:
         first = 0 if r.family_verdict == verdicts.PASS else order.get(r.verdict, 4)
-        return first, r.linear_ratio if r.linear_ratio is not None else float("inf")
+        if first <= 1:
+            return first, r.linear_ratio if r.linear_ratio is not None else inf
+        return first, r.worst_fraction if r.worst_fraction is not None else inf
     return sorted(rows, key=key)
 
 
