@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +32,11 @@ from ..evals.summary import RoundsRatio
 from ..io import write_json
 from ..model.sources import ModelSource, resolve_model
 from ..progress import status
-from ..quantize.recipe import load_recipe
+from ..quantize.recipe import Recipe, load_recipe
 from . import gates as verdicts
 from . import workload as custom_signoff
 from .deployment import judge_deployment, signoff_deployments
-from .family import FamilyJudgement, fallback, judge_at, look_levels
+from .family import FamilyJudgement, Rejudge, Resummarize, fallback, judge_at, look_levels
 from .judge import Gate, evaluate_gates
 from .policy import Policy, load_policy
 from .ranking import Row, worst_gate, write_sweep_reports
@@ -55,7 +55,6 @@ class Candidate:
     error: str | None = None  # what stopped it outside its steps (its steps record their own errors)
     report: dict[str, Any] | None = None
     family: FamilyJudgement | None = None
-    reasons: list[str] = field(default_factory=list)
 
     @property
     def folder(self) -> Path:
@@ -118,7 +117,7 @@ def row_of(c: Candidate, policy: Policy) -> Row:
                list(report.get("reasons") or []), c.error, str(c.folder), fam.to_json() if fam else None)
 
 
-def _guard(c: Candidate, fn: Any) -> None:
+def _guard(c: Candidate, fn: Callable[[], object]) -> None:
     """A candidate's failure outside its steps (a bug, a refused input) is its ERROR; the others go on."""
     try:
         fn()
@@ -129,7 +128,7 @@ def _guard(c: Candidate, fn: Any) -> None:
         status(f"candidate {c.name}: ERROR: {c.error}")
 
 
-def _start(c: Candidate, policy: Policy, recipe: Any, source: ModelSource) -> None:
+def _start(c: Candidate, policy: Policy, recipe: Recipe, source: ModelSource) -> None:
     Path(c.cfg.output).mkdir(parents=True, exist_ok=True)
     c.run = _Run(c.cfg, policy, recipe, source, c.folder, StepRunner(c.folder))
     c.run.quality()
@@ -241,7 +240,7 @@ def _local_judge(source: ModelSource, policy: Policy) -> JudgeAt:
     return judge
 
 
-def _resummarize(c: Candidate, source: ModelSource) -> Any:
+def _resummarize(c: Candidate, source: ModelSource) -> Resummarize:
     def run(copy: Path, task: str, items: int, level: float) -> None:
         with confidence_level(level):  # every interval of the rebuilt summary at the family-wise look level
             evaluate(EvalConfig(model=str(c.folder / "checkpoint"), baseline=str(source.path), tasks=task,
@@ -251,7 +250,7 @@ def _resummarize(c: Candidate, source: ModelSource) -> Any:
     return run
 
 
-def _rejudge(c: Candidate, policy: Policy) -> Any:
+def _rejudge(c: Candidate, policy: Policy) -> Rejudge:
     def run(evals: EvalResults | None, level: float) -> list[Gate]:
         bench = _load(c.folder / "bench.json")
         ablation = ablation_table(bench) if bench else None  # its rounds' intervals at the context's level
