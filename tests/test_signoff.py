@@ -7,15 +7,16 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from qtoolkit.cli import main
 from qtoolkit.model.sources import resolve_model
+from qtoolkit.quantize.recipe import load_recipe
 from qtoolkit.quantize.report import QuantizeReport, QuantizeSummary
 from qtoolkit.signoff.gates import EXIT_CODES, overall
 from qtoolkit.signoff.policy import load_policy
+from qtoolkit.signoff.run import _Run
 from qtoolkit.signoff.steps import SignoffConfig
 from qtoolkit.signoff.sweep import Candidate, _local_judge
 
@@ -219,8 +220,10 @@ def test_sweep_over_recipes_keeps_single_verdicts_generates_the_baseline_once_an
     c = Candidate("int4-rtn", "int4-rtn", SignoffConfig(model=str(tiny_model_dir), recipe="int4-rtn",
                                                          output=str(out / "candidates" / "int4-rtn"), limit=2,
                                                          max_items=2))
-    c.run = SimpleNamespace(quant=QuantizeReport.load(c.folder / "checkpoint" / "quantize_report.json"))
-    judge = _local_judge(resolve_model(str(tiny_model_dir)), load_policy("default"))
+    policy = load_policy("default")
+    c.run = _Run(c.cfg, policy, load_recipe("int4-rtn"), resolve_model(str(tiny_model_dir)), c.folder, None,
+                 quant=QuantizeReport.load(c.folder / "checkpoint" / "quantize_report.json"))
+    judge = _local_judge(policy)
     full, third = judge(c, 0.05), judge(c, 0.05 / 3)
     assert [(g.name, g.verdict, g.judged) for g in full.gates] == [
         (g["name"], g["verdict"], g["judged"]) for g in cand["gates"]]

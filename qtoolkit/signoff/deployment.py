@@ -14,7 +14,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from qtoolkit.evals.custom import custom_tasks
 from qtoolkit.evals.runner import EvalConfig, evaluate
 
 from ..bench.deployment import bench_deployments, throughput_table
@@ -137,7 +136,7 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
             output=str(out / "eval.json"), limit=items, endpoint=infos["candidate"].url,
             baseline_endpoint=infos["baseline"].url, seed=cfg.seed, overwrite=overwrite,
             model_id=infos["candidate"].model_id, baseline_model_id=infos["baseline"].model_id,
-            task_options={"allow_weak_sandbox": cfg.allow_weak_sandbox, "custom_data": custom_tasks(cfg.data)},
+            task_options=cfg.task_options(),
             baseline_generations=cfg.baseline_generations))
 
     def judge() -> tuple[list[Gate], list[Gate]]:

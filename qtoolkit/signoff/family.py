@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..evals.results import EvalResults
+from ..evals.runner import EvalConfig, evaluate
 from ..evals.stats.paired import confidence_level
 from . import gates as verdicts
 from .error_spending import ALPHA, plan
@@ -61,8 +62,9 @@ def look_levels(limit: int, max_items: int | None, alpha: float) -> dict[int, fl
     return dict(zip(scaled.items, scaled.levels, strict=True))
 
 
-# (eval.json copy, task, items, level) -> re-summarize that task's finished items at `level` (no model runs)
-Resummarize = Callable[[Path, str, int, float], None]
+# (eval.json copy, task, items) -> the eval that re-reads that task's finished items into the copy (no model runs:
+# every item is there, so only the summary is rebuilt)
+Resummarize = Callable[[Path, str, int], EvalConfig]
 # (EvalResults at the family level, throughput level) -> the gates
 Rejudge = Callable[[EvalResults | None, float], list[Gate]]
 
@@ -79,7 +81,8 @@ def judge_at(alpha: float, folder: Path, levels: dict[int, float], resummarize: 
         for task, result in EvalResults.load(source).tasks.items():
             # the look the task stopped at (a workload file shorter than a look stops between them: the next)
             level = next((lv for n, lv in sorted(levels.items()) if result.items <= n), min(levels.values()))
-            resummarize(copy, task, result.items, level)
+            with confidence_level(level):  # every interval of the rebuilt summary at the family-wise look level
+                evaluate(resummarize(copy, task, result.items))
         evals = EvalResults.load(copy)
     with confidence_level(1 - alpha):
         gates = rejudge(evals, 1 - alpha)

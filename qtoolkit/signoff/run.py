@@ -19,7 +19,6 @@ from ..diagnose.run import diagnose
 from ..draft.format import check_fits, read_head_config
 from ..engine.config import KV_CACHE_DTYPES, EngineConfig
 from ..errors import QToolError
-from ..evals.custom import custom_tasks
 from ..evals.results import EvalResults
 from ..evals.runner import EvalConfig, evaluate
 from ..evals.sandbox.run import require
@@ -150,6 +149,14 @@ class _Run:
             "diagnose", {"model": self.source.sha256, "batches": self.cfg.diagnose_batches}, path,
             lambda: write(path))
 
+    def eval_config(self, tasks: str, items: int, output: Path, overwrite: bool = False) -> EvalConfig:
+        """The candidate against the baseline as its eval step runs them (the sweep re-reads the same items)."""
+        cfg = self.cfg
+        return EvalConfig(model=str(self.out / "checkpoint"), baseline=str(self.source.path), tasks=tasks,
+                          output=str(output), limit=items, endpoint=cfg.endpoint, seed=cfg.seed, overwrite=overwrite,
+                          kv_cache_dtype=UNQUANTIZED if cfg.endpoint else self.kv, task_options=cfg.task_options(),
+                          baseline_generations=cfg.baseline_generations)
+
     def eval_step(self, cand_key: str) -> None:
         cfg, policy, out, tasks, data = self.cfg, self.policy, self.out, self.tasks, self.data
         inputs = {"candidate": cand_key, "baseline": self.source.sha256, "tasks": tasks, "limit": cfg.limit,
@@ -161,13 +168,7 @@ class _Run:
         def run(items: int, overwrite: bool, only: list[str] | None) -> None:
             # eval.json is written per batch: a rerun with the same inputs resumes its finished items, and a
             # further look reuses the items of the looks before it
-            evaluate(EvalConfig(model=str(out / "checkpoint"), baseline=str(self.source.path),
-                                tasks=",".join(only) if only else tasks, output=str(out / "eval.json"),
-                                limit=items, endpoint=cfg.endpoint, seed=cfg.seed, overwrite=overwrite,
-                                kv_cache_dtype=UNQUANTIZED if cfg.endpoint else self.kv,
-                                task_options={"allow_weak_sandbox": cfg.allow_weak_sandbox,
-                                              "custom_data": custom_tasks(cfg.data)},
-                                baseline_generations=cfg.baseline_generations))
+            evaluate(self.eval_config(",".join(only) if only else tasks, items, out / "eval.json", overwrite))
 
         def judge() -> tuple[list[Gate], list[Gate]]:
             evals = EvalResults.load(out / "eval.json")

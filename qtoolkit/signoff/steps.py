@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import OutputWriteError, QToolError
+from ..evals.custom import custom_tasks
 from ..io import lock_output, read_results_json, write_json
 from ..progress import status
 from ..provenance import text_sha256
@@ -49,6 +50,10 @@ class SignoffConfig:
     data: list[str] = field(default_factory=list)  # workload files: custom:STEM tasks and the bench's traffic
     # the baseline's completions on disk (evals/backends/cached.py): a sweep over several recipes generates them once
     baseline_generations: str | None = None
+
+    def task_options(self) -> dict[str, Any]:
+        """What every eval of this sign-off passes its tasks: the sandbox choice and the workload files' tasks."""
+        return {"allow_weak_sandbox": self.allow_weak_sandbox, "custom_data": custom_tasks(self.data)}
 
 
 

@@ -24,10 +24,8 @@ from ..bench.kv_layer import UNQUANTIZED
 from ..bench.memory import peak_memory
 from ..diagnose.run import diagnose
 from ..errors import OutputWriteError, QToolError
-from ..evals.custom import custom_tasks
 from ..evals.results import EvalResults
-from ..evals.runner import EvalConfig, evaluate
-from ..evals.stats.paired import confidence_level
+from ..evals.runner import EvalConfig
 from ..evals.summary import RoundsRatio
 from ..io import write_json
 from ..model.sources import ModelSource, resolve_model
@@ -92,7 +90,7 @@ def signoff_sweep(cfg: SignoffConfig) -> dict[str, Any]:
             for c in cands:
                 if c.run is not None and c.error is None:
                     _guard(c, lambda c=c: _report(c, policy, source))
-            _family(cands, _local_judge(source, policy))
+            _family(cands, _local_judge(policy))
         return write_sweep_reports(out, cfg, policy, [row_of(c, policy) for c in cands], specs, source.describe(),
                                    peak.to_json())
     finally:
@@ -233,21 +231,17 @@ def _family(cands: list[Candidate], judge: JudgeAt) -> None:
             c.family = FamilyJudgement(shares.get(c.name, 0.0), verdict)
 
 
-def _local_judge(source: ModelSource, policy: Policy) -> JudgeAt:
+def _local_judge(policy: Policy) -> JudgeAt:
     def judge(c: Candidate, alpha: float) -> FamilyJudgement:
         levels = look_levels(c.cfg.limit, c.cfg.max_items, alpha)
-        return judge_at(alpha, c.folder, levels, _resummarize(c, source), _rejudge(c, policy))
+        return judge_at(alpha, c.folder, levels, _resummarize(c), _rejudge(c, policy))
     return judge
 
 
-def _resummarize(c: Candidate, source: ModelSource) -> Resummarize:
-    def run(copy: Path, task: str, items: int, level: float) -> None:
-        with confidence_level(level):  # every interval of the rebuilt summary at the family-wise look level
-            evaluate(EvalConfig(model=str(c.folder / "checkpoint"), baseline=str(source.path), tasks=task,
-                                output=str(copy), limit=items, endpoint=c.cfg.endpoint, seed=c.cfg.seed,
-                                task_options={"allow_weak_sandbox": c.cfg.allow_weak_sandbox,
-                                              "custom_data": custom_tasks(c.cfg.data)}))
-    return run
+def _resummarize(c: Candidate) -> Resummarize:
+    assert c.run is not None
+    run = c.run
+    return lambda copy, task, items: run.eval_config(task, items, copy)
 
 
 def _rejudge(c: Candidate, policy: Policy) -> Rejudge:
@@ -307,15 +301,13 @@ def _endpoint_judge(policy: Policy) -> JudgeAt:
     def judge(c: Candidate, alpha: float) -> FamilyJudgement:
         served = (c.report or {}).get("deployments") or {}
 
-        def resummarize(copy: Path, task: str, items: int, level: float) -> None:
-            with confidence_level(level):  # the items are in the copy: nothing is sent to the endpoints
-                evaluate(EvalConfig(
-                    model=c.cfg.model, baseline=c.cfg.baseline or c.cfg.model, tasks=task, output=str(copy),
-                    limit=items, endpoint=served["candidate"]["url"], baseline_endpoint=served["baseline"]["url"],
-                    seed=c.cfg.seed, model_id=served["candidate"]["model_id"],
-                    baseline_model_id=served["baseline"]["model_id"],
-                    task_options={"allow_weak_sandbox": c.cfg.allow_weak_sandbox,
-                                  "custom_data": custom_tasks(c.cfg.data)}))
+        def resummarize(copy: Path, task: str, items: int) -> EvalConfig:
+            # the items are in the copy: nothing is sent to the endpoints
+            return EvalConfig(model=c.cfg.model, baseline=c.cfg.baseline or c.cfg.model, tasks=task, output=str(copy),
+                              limit=items, endpoint=served["candidate"]["url"],
+                              baseline_endpoint=served["baseline"]["url"], seed=c.cfg.seed,
+                              model_id=served["candidate"]["model_id"], baseline_model_id=served["baseline"]["model_id"],
+                              task_options=c.cfg.task_options())
 
         def rejudge(evals: EvalResults | None, level: float) -> list[Gate]:
             bench = _load(c.folder / "bench.json")
