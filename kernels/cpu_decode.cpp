@@ -10,6 +10,7 @@
 // kernels/dispatch.py (gemv_spec), the one dispatch point; this file only runs what it was given.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <cpuid.h>
 #include <immintrin.h>
 #include <strings.h>
@@ -20,6 +21,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #define QTOOLKIT_NO_MODULE
@@ -56,6 +58,86 @@ struct Layer {
   torch::Tensor input_norm, post_attn_norm, k_cache, v_cache;
   Linear qkv, o, gate_up, down;
   int64_t rope = 0, window = 0;
+};
+
+// ---- the single-row path (a batch-1 decode step) --------------------------------------------------------------
+// At one row every kernel call above pays a fork/join of the thread pool, a tensor allocation and a cold start of
+// its weight stream: the default model's INT4 layers then stream at 14-22 GB/s where the LM head, one long call,
+// reaches 30. The single-row path runs all layers inside one parallel region instead: each thread takes a fixed
+// share of every GEMV's output rows and meets the others at a barrier where the next op needs all of them; the
+// small ops are repeated by every thread on its own copy (a 576-wide norm costs less than a barrier); and
+// before each barrier a thread prefetches the start of its share of the next weight, so the stream does not
+// restart cold. Every output element is computed by the same kernel code as the batched path, so the two agree
+// bit for bit (tests/test_decode_plan.py).
+
+// Weights one thread prefetches of its share of the next GEMV before a barrier: as far ahead as the GEMV kernels
+// keep their own prefetch (R8_PREFETCH), so the kernel's stream continues where this one stops.
+constexpr int64_t NEXT_PREFETCH = 4096;
+
+inline std::pair<int64_t, int64_t> share(int64_t n, int t, int P) { return {n * t / P, n * (t + 1) / P}; }
+
+// A Linear's unit of output: a group of 8 rows for the R8 kernels, one row for dense.
+inline int64_t unit_rows(const Linear& L) { return L.kind == DENSE ? 1 : 8; }
+inline int64_t units(const Linear& L) { return (L.weight.size(0) + unit_rows(L) - 1) / unit_rows(L); }
+inline int64_t in_features(const Linear& L) { return L.kind == INT4_R8 ? L.weight.size(1) * 2 : L.weight.size(1); }
+inline int64_t unit_bytes(const Linear& L) {  // R8: 8 rows of K/2 (INT4) or K (INT8) bytes
+  return L.kind == DENSE ? L.weight.size(1) * 4 : 8 * L.weight.size(1);
+}
+
+// The kernels the single-row path runs: weight-only R8 INT4/INT8 or contiguous fp32, fp32 scales and bias.
+inline bool row_path_ok(const Linear& L) {
+  const bool weight = L.kind == INT4_R8 ? L.weight.scalar_type() == torch::kByte
+                    : L.kind == INT8_R8 ? L.weight.scalar_type() == torch::kChar
+                    : L.kind == DENSE && L.weight.scalar_type() == torch::kFloat && L.weight.is_contiguous();
+  const bool scales = L.kind == DENSE || (L.scales.scalar_type() == torch::kFloat &&
+                                          (L.zeros.numel() == 0 || L.zeros.scalar_type() == torch::kChar));
+  const bool bias = !L.bias.defined() || (L.bias.scalar_type() == torch::kFloat && L.bias.is_contiguous());
+  return L.act < 0 && weight && scales && bias;
+}
+
+
+inline void prefetch_units(const Linear& L, int64_t u0) {
+  const char* p = static_cast<const char*>(L.weight.data_ptr()) + u0 * unit_bytes(L);
+  for (int64_t o = 0; o < NEXT_PREFETCH; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
+// The activations of x as L's kernel reads them (R8: int8 blocks; dense: x itself).
+inline void prepare(const Linear& L, const float* x, qk::R8Activations& a) {
+  if (L.kind != DENSE) qk::quantize_r8(x, 1, in_features(L), a, L.kind == INT4_R8);
+}
+
+// Output units [u0, u1) of y = L(x) for one row, bias included (added after the dot product, as y + bias).
+void gemv_units(const Linear& L, int64_t isa, const float* x, const qk::R8Activations& a, int64_t u0, int64_t u1,
+                float* y) {
+  const int64_t N = L.weight.size(0), K = in_features(L);
+  if (L.kind == DENSE) {
+    const float* w = L.weight.data_ptr<float>();
+    for (int64_t n = u0; n < u1; ++n) qe::gemv_row<1>(x, K, w + n * K, y + n, N);
+  } else {
+    const int64_t G = K / L.group, bpg = L.group / 32;
+    const float* s = L.scales.data_ptr<float>();
+    const int8_t* z = L.zeros.numel() ? L.zeros.data_ptr<int8_t>() : nullptr;
+    for (int64_t g = u0; g < u1; ++g) {
+      const int64_t valid = std::min<int64_t>(8, N - g * 8);
+      const int8_t* zg = z ? z + g * G * 8 : nullptr;
+      if (L.kind == INT4_R8)
+        qk::int4_r8_group<1>(isa, L.weight.data_ptr<uint8_t>() + g * 8 * (K / 2), s + g * G * 8, zg, K, bpg, a, 0,
+                             y + g * 8, N, valid);
+      else
+        qk::int8_r8_group<1>(isa, L.weight.data_ptr<int8_t>() + g * 8 * K, s + g * G * 8, zg, K, bpg, a, 0,
+                             y + g * 8, N, valid);
+    }
+  }
+  if (L.bias.defined()) {
+    const float* b = L.bias.data_ptr<float>();
+    for (int64_t n = u0 * unit_rows(L); n < std::min(N, u1 * unit_rows(L)); ++n) y[n] = y[n] + b[n];
+  }
+}
+
+// One thread's buffers of the single-row path.
+struct RowScratch {
+  qk::R8Activations acts;
+  std::vector<float> residual, normed, q, attend_buf;
 };
 
 using Clock = std::chrono::steady_clock;
@@ -96,6 +178,15 @@ class DecodePlan {
       }
       layers_.push_back(std::move(layer));
     }
+    row_path_ = !layers_.empty();
+    for (const Layer& L : layers_) {
+      for (const Linear* lin : {&L.qkv, &L.o, &L.gate_up, &L.down}) row_path_ = row_path_ && row_path_ok(*lin);
+      for (const torch::Tensor* n : {&L.input_norm, &L.post_attn_norm, &L.k_cache, &L.v_cache})
+        row_path_ = row_path_ && n->scalar_type() == torch::kFloat && n->is_contiguous();
+    }
+    // the gate and up halves of gate_up must split at a unit boundary, so a thread's gate rows meet its up rows
+    for (const Layer& L : layers_) row_path_ = row_path_ && units(L.gate_up) % 2 == 0 &&
+                                              units(L.gate_up) * unit_rows(L.gate_up) == L.gate_up.weight.size(0);
   }
 
   // x [T, hidden] fp32 embeddings; cos/sin [ropes, T, D/2]; slots [T]; block_table/row_seq/row_last as
@@ -105,6 +196,8 @@ class DecodePlan {
                                  const torch::Tensor& slots, const torch::Tensor& block_table,
                                  const torch::Tensor& row_seq, const torch::Tensor& row_last,
                                  const std::vector<int64_t>& aux_layers) {
+    if (x.size(0) == 1 && row_path_ && use_row_path_)
+      return run_row(x, cos, sin, slots, block_table, row_seq, row_last, aux_layers);
     torch::Tensor residual;
     std::vector<torch::Tensor> taps(aux_layers.size());
     for (size_t l = 0; l < layers_.size(); ++l) {
@@ -146,13 +239,176 @@ class DecodePlan {
   std::vector<double> times() const { return {gemv_, attention_, other_}; }
   void reset_times() { gemv_ = attention_ = other_ = 0.0; }
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  bool row_path() const { return row_path_ && use_row_path_; }
+  void set_row_path(bool on) { use_row_path_ = on; }
+
+  // The single-row path (see above): one parallel region over all layers.
+  std::vector<torch::Tensor> run_row(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                     const torch::Tensor& slots, const torch::Tensor& block_table,
+                                     const torch::Tensor& row_seq, const torch::Tensor& row_last,
+                                     const std::vector<int64_t>& aux_layers) {
+    const Layer& L0 = layers_[0];
+    const int64_t hidden = x.size(1), D = L0.k_cache.size(3), bs = L0.k_cache.size(1);
+    const int64_t B = block_table.size(1), capacity = L0.k_cache.numel() / (Hk_ * D);
+    TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32");
+    TORCH_CHECK(slots.scalar_type() == torch::kLong && block_table.scalar_type() == torch::kLong &&
+                row_seq.scalar_type() == torch::kLong && row_last.scalar_type() == torch::kLong, "int64 indices");
+    RowStep st;
+    st.slot = slots.contiguous().data_ptr<int64_t>()[0];
+    st.last = row_last.contiguous().data_ptr<int64_t>()[0];
+    const int64_t seq = row_seq.contiguous().data_ptr<int64_t>()[0];
+    TORCH_CHECK(st.slot >= 0 && st.slot < capacity, "slot out of range");
+    TORCH_CHECK(st.last >= 0 && st.last / bs < B && seq >= 0 && seq < block_table.size(0), "row 0 is out of range");
+    auto table = block_table.contiguous();
+    st.table = table.data_ptr<int64_t>() + seq * B;
+    auto cosc = cos.contiguous(), sinc = sin.contiguous();
+    st.cos = cosc.data_ptr<float>();
+    st.sin = sinc.data_ptr<float>();
+    st.x = x.data_ptr<float>();
+    st.aux = &aux_layers;
+    for (size_t j = 0; j < aux_layers.size(); ++j) st.taps.push_back(torch::empty({1, hidden}, x.options()));
+    const int64_t I = L0.gate_up.weight.size(0) / 2;
+    qkv_.resize((H_ + 2 * Hk_) * D);
+    attn_.resize(H_ * D);
+    o_.resize(hidden);
+    act_.resize(I);
+    gate_up_.resize(2 * I);
+    y_.resize(hidden);
+    const int threads = std::max(1, at::get_num_threads());
+    scratch_.resize(threads);
+    for (RowScratch& r : scratch_) {
+      r.residual.resize(hidden);
+      r.normed.resize(hidden);
+      r.q.resize(H_ * D);
+    }
+#pragma omp parallel num_threads(threads)
+    row_thread(st, omp_get_thread_num(), omp_get_num_threads());
+    auto out_x = torch::from_blob(y_.data(), {1, hidden}, x.options()).clone();
+    auto out_res = torch::from_blob(scratch_[0].residual.data(), {1, hidden}, x.options()).clone();
+    std::vector<torch::Tensor> out{out_x, out_res};
+    out.insert(out.end(), st.taps.begin(), st.taps.end());
+    return out;
+  }
 
  private:
+  struct RowStep {  // one single-row step's inputs, shared by its threads
+    const float *x = nullptr, *cos = nullptr, *sin = nullptr;
+    const int64_t* table = nullptr;
+    int64_t slot = 0, last = 0;
+    const std::vector<int64_t>* aux = nullptr;
+    std::vector<torch::Tensor> taps;
+  };
+
+  // RoPE on this thread's query heads (thread 0 appends the row's keys and values to the cache), then attention
+  // over those heads; the caller's barrier follows.
+  void row_attention(const Layer& L, const RowStep& st, RowScratch& r, int t, int P) {
+    const int64_t D = L.k_cache.size(3), half = D / 2, bs = L.k_cache.size(1), G = H_ / Hk_;
+    const auto [h0, h1] = share(H_, t, P);
+    const float* c = st.cos + L.rope * half;
+    const float* sn = st.sin + L.rope * half;
+    for (int64_t h = h0; h < h1; ++h) qe::rope_head(qkv_.data() + h * D, c, sn, half, r.q.data() + h * D);
+    float* kc = L.k_cache.data_ptr<float>();
+    float* vc = L.v_cache.data_ptr<float>();
+    if (t == 0)
+      for (int64_t h = 0; h < Hk_; ++h) {
+        qe::rope_head(qkv_.data() + (H_ + h) * D, c, sn, half, kc + (st.slot * Hk_ + h) * D);
+        std::copy(qkv_.data() + (H_ + Hk_ + h) * D, qkv_.data() + (H_ + Hk_ + h + 1) * D,
+                  vc + (st.slot * Hk_ + h) * D);
+      }
+#pragma omp barrier
+    const int64_t first = L.window > 0 ? std::max<int64_t>(0, st.last - L.window + 1) : 0;
+    for (int64_t h = h0; h < h1; ++h)  // one head per call: the same bits as the batched path's G heads per call
+      qe::attend<float, float>(r.q.data() + h * D, D, kc, vc, nullptr, nullptr, st.table, first, st.last, bs, Hk_,
+                               h / G, D, 1, static_cast<float>(scale_), attn_.data() + h * D, r.attend_buf);
+  }
+
+  // add + RMSNorm of the row into this thread's copy; layer 0 (no residual yet) takes x as the residual, and
+  // EAGLE-3's taps (thread 0) take the residual stream entering the layer, x + residual as the batched path adds it.
+  void row_norm(size_t l, const float* x, const torch::Tensor& weight, RowStep& st, RowScratch& r, int t) {
+    const int64_t hidden = static_cast<int64_t>(r.residual.size());
+    if (t == 0)
+      for (size_t j = 0; j < st.aux->size(); ++j)
+        if ((*st.aux)[j] == static_cast<int64_t>(l)) {
+          float* tap = st.taps[j].data_ptr<float>();
+          for (int64_t k = 0; k < hidden; ++k) tap[k] = l ? x[k] + r.residual[k] : x[k];
+        }
+    if (l == 0) std::copy(x, x + hidden, r.residual.data());
+    qe::add_rms_norm_impl<float>(l ? x : r.residual.data(), l ? r.residual.data() : nullptr, weight.data_ptr<float>(),
+                                 l ? r.residual.data() : nullptr, r.normed.data(), 1, hidden, static_cast<float>(eps_));
+  }
+
+  // Thread t of P in the single-row step. Shared buffers are written by one owner per element and read only
+  // after the barrier that follows the write; per-thread copies (residual, normed, q) are identical in every thread.
+  void row_thread(RowStep& st, int t, int P) {
+    RowScratch& r = scratch_[t];
+    const int64_t hidden = static_cast<int64_t>(o_.size()), I = static_cast<int64_t>(act_.size());
+    const int64_t isa = qk::r8_auto_isa();
+    const float* xin = st.x;
+    double gemv = 0, attention = 0, other = 0;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& L = layers_[l];
+      auto t0 = Clock::now();
+      row_norm(l, xin, L.input_norm, st, r, t);
+      auto t1 = Clock::now();
+      const auto [q0, q1] = share(units(L.qkv), t, P);
+      prepare(L.qkv, r.normed.data(), r.acts);
+      gemv_units(L.qkv, isa, r.normed.data(), r.acts, q0, q1, qkv_.data());
+      prefetch_units(L.o, share(units(L.o), t, P).first);
+#pragma omp barrier
+      auto t2 = Clock::now();
+      row_attention(L, st, r, t, P);
+#pragma omp barrier
+      auto t3 = Clock::now();
+      const auto [o0, o1] = share(units(L.o), t, P);
+      prepare(L.o, attn_.data(), r.acts);
+      gemv_units(L.o, isa, attn_.data(), r.acts, o0, o1, o_.data());
+      const int64_t gu_half = units(L.gate_up) / 2;
+      const auto [g0, g1] = share(gu_half, t, P);
+      prefetch_units(L.gate_up, g0);
+      prefetch_units(L.gate_up, gu_half + g0);
+#pragma omp barrier
+      auto t4 = Clock::now();
+      qe::add_rms_norm_impl<float>(o_.data(), r.residual.data(), L.post_attn_norm.data_ptr<float>(),
+                                   r.residual.data(), r.normed.data(), 1, hidden, static_cast<float>(eps_));
+      auto t5 = Clock::now();
+      // this thread's gate rows and the up rows they multiply, then SwiGLU over them: no barrier in between
+      prepare(L.gate_up, r.normed.data(), r.acts);
+      gemv_units(L.gate_up, isa, r.normed.data(), r.acts, g0, g1, gate_up_.data());
+      gemv_units(L.gate_up, isa, r.normed.data(), r.acts, gu_half + g0, gu_half + g1, gate_up_.data());
+      auto t6 = Clock::now();
+      const int64_t rows = unit_rows(L.gate_up);
+      for (int64_t i = g0 * rows; i < std::min(I, g1 * rows); ++i)
+        act_[i] = qe::silu_times(gate_up_[i], gate_up_[I + i]);
+      prefetch_units(L.down, share(units(L.down), t, P).first);
+#pragma omp barrier
+      auto t7 = Clock::now();
+      const auto [d0, d1] = share(units(L.down), t, P);
+      prepare(L.down, act_.data(), r.acts);
+      gemv_units(L.down, isa, act_.data(), r.acts, d0, d1, y_.data());
+      if (l + 1 < layers_.size()) prefetch_units(layers_[l + 1].qkv, share(units(layers_[l + 1].qkv), t, P).first);
+#pragma omp barrier
+      auto t8 = Clock::now();
+      xin = y_.data();
+      gemv += seconds(t1, t2) + seconds(t3, t4) + seconds(t5, t6) + seconds(t7, t8);
+      attention += seconds(t2, t3);
+      other += seconds(t0, t1) + seconds(t4, t5) + seconds(t6, t7);
+    }
+    if (t == 0) {
+      gemv_ += gemv;
+      attention_ += attention;
+      other_ += other;
+    }
+  }
+
   static double seconds(Clock::time_point a, Clock::time_point b) {
     return std::chrono::duration<double>(b - a).count();
   }
 
   std::vector<Layer> layers_;
+  bool row_path_ = false;     // every layer fits the single-row path
+  bool use_row_path_ = true;  // cleared for A/B measurements and tests (decode_plan.py)
+  std::vector<float> qkv_, attn_, o_, gate_up_, act_, y_;  // the single-row path's shared buffers
+  std::vector<RowScratch> scratch_;
   int64_t H_, Hk_;
   double eps_, scale_;
   double gemv_ = 0.0, attention_ = 0.0, other_ = 0.0;
@@ -166,5 +422,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &DecodePlan::run, py::call_guard<py::gil_scoped_release>())
       .def("times", &DecodePlan::times)
       .def("reset_times", &DecodePlan::reset_times)
-      .def_property_readonly("num_layers", &DecodePlan::num_layers);
+      .def_property_readonly("num_layers", &DecodePlan::num_layers)
+      // whether a single row takes the one-parallel-region path (settable: False sends it through the batched one)
+      .def_property("row_path", &DecodePlan::row_path, &DecodePlan::set_row_path);
 }

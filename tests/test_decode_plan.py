@@ -47,22 +47,28 @@ def _steps(runner: ModelRunner) -> list[torch.Tensor]:
     verify = seqs[1][-1:] + [11, 12, 13, 14]
     out = runner.step([Chunk([seqs[0][-1]], len(seqs[0]) - 1, tables[0]),
                        Chunk(verify, len(seqs[1]) - 1, tables[1], num_logits=5)], aux_layers=(1, 0))
-    return [*logits, out.logits, *out.aux]
+    # a single row with taps (an EAGLE-3 draft step at batch 1)
+    one = runner.step([Chunk([seqs[0][-1]], len(seqs[0]) - 1, tables[0])], aux_layers=(0, 1))
+    return [*logits, out.logits, *out.aux, one.logits, *one.aux]
 
 
-@pytest.mark.parametrize("kind", ["fp32", "int4", "fp8"])
-def test_plan_logits_identical_to_python_loop(tiny_model_dir, kind, monkeypatch):
+@pytest.mark.parametrize(("kind", "row_path"), [("fp32", True), ("int4", True), ("int4", False), ("fp8", False)])
+def test_plan_logits_identical_to_python_loop(tiny_model_dir, kind, row_path, monkeypatch):
+    """fp32 and INT4 single rows take the one-parallel-region path (fp8 has none); QTOOLKIT_ROW_PATH=0 sends them
+    through the batched path: every way gives the Python loop's bits."""
     model = _model(tiny_model_dir, kind)
     monkeypatch.setenv("QTOOLKIT_FUSED_DECODE", "0")
     slow = _steps(ModelRunner(model, 16, BLOCK))
     assert model.decode_plan is False  # turned off: the Python loop ran every step
     monkeypatch.setenv("QTOOLKIT_FUSED_DECODE", "1")
+    monkeypatch.setenv("QTOOLKIT_ROW_PATH", "1" if row_path else "0")
     model.decode_plan = None
     runner = ModelRunner(model, 16, BLOCK)
     fast = _steps(runner)
     plan = model.decode_plan
     assert isinstance(plan, decode_plan.DecodePlan) and plan.plan.num_layers == model.config.num_layers
     assert plan.plan.times()[0] > 0  # its GEMVs ran
+    assert plan.plan.row_path is (row_path and kind != "fp8")
     for a, b in zip(slow, fast, strict=True):
         assert torch.equal(a, b)
 

@@ -9,6 +9,11 @@ A model gets a plan only when every layer has the plain LLaMA shape the loop imp
 cache on the CPU, pre-norm RMSNorm (not Gemma's 1 + w), no q/k norm, no sandwich norms, a dense SwiGLU MLP, and
 every Linear a single AVX2 kernel call. Anything else (and prefill, and rows beyond the GEMV limits) keeps the
 Python loop. EAGLE-3's taps (the residual stream entering chosen layers) are taken inside the C++ loop. QTOOLKIT_FUSED_DECODE=0 turns plans off (for A/B measurements).
+
+A single row (a batch-1 decode step) takes the plan's single-row path when every Linear is a weight-only R8 INT4 /
+INT8 or fp32 GEMV: all layers in one parallel region, each thread a fixed share of every GEMV, barriers only where
+an op needs every thread's rows (kernels/cpu_decode.cpp). QTOOLKIT_ROW_PATH=0 keeps single rows on the batched
+path (for A/B measurements); both give the same bits.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ class DecodePlan:
 
 def enabled() -> bool:
     return os.environ.get("QTOOLKIT_FUSED_DECODE", "1") != "0"
+
+
+def row_path_enabled() -> bool:
+    return os.environ.get("QTOOLKIT_ROW_PATH", "1") != "0"
 
 
 def cache_key(model) -> tuple[int, ...]:
@@ -91,4 +100,5 @@ def build_plan(model) -> DecodePlan | None:
     if len(eps) != 1 or len(scales) != 1:
         return None
     plan = ext.DecodePlan(tensors, ints, c.num_heads, c.num_kv_heads, eps.pop(), scales.pop())
+    plan.row_path = plan.row_path and row_path_enabled()
     return DecodePlan(plan, min(rows), cache_key(model))
