@@ -89,8 +89,9 @@ inline bool row_path_ok(const Linear& L) {
   const bool weight = L.kind == INT4_R8 ? L.weight.scalar_type() == torch::kByte
                     : L.kind == INT8_R8 ? L.weight.scalar_type() == torch::kChar
                     : L.kind == DENSE && L.weight.scalar_type() == torch::kFloat && L.weight.is_contiguous();
-  const bool scales = L.kind == DENSE || (L.scales.scalar_type() == torch::kFloat &&
-                                          (L.zeros.numel() == 0 || L.zeros.scalar_type() == torch::kChar));
+  const bool scales = L.kind == DENSE ||
+      ((L.scales.scalar_type() == torch::kFloat || (L.kind == INT4_R8 && L.scales.scalar_type() == torch::kBFloat16))
+       && (L.zeros.numel() == 0 || L.zeros.scalar_type() == torch::kChar));
   const bool bias = !L.bias.defined() || (L.bias.scalar_type() == torch::kFloat && L.bias.is_contiguous());
   return L.act < 0 && weight && scales && bias;
 }
@@ -115,17 +116,20 @@ void gemv_units(const Linear& L, int64_t isa, const float* x, const qk::R8Activa
     for (int64_t n = u0; n < u1; ++n) qe::gemv_row<1>(x, K, w + n * K, y + n, N);
   } else {
     const int64_t G = K / L.group, bpg = L.group / 32;
-    const float* s = L.scales.data_ptr<float>();
+    const bool bf16 = L.scales.scalar_type() == torch::kBFloat16;
     const int8_t* z = L.zeros.numel() ? L.zeros.data_ptr<int8_t>() : nullptr;
     for (int64_t g = u0; g < u1; ++g) {
       const int64_t valid = std::min<int64_t>(8, N - g * 8);
       const int8_t* zg = z ? z + g * G * 8 : nullptr;
-      if (L.kind == INT4_R8)
-        qk::int4_r8_group<1>(isa, L.weight.data_ptr<uint8_t>() + g * 8 * (K / 2), s + g * G * 8, zg, K, bpg, a, 0,
-                             y + g * 8, N, valid);
+      if (L.kind == INT4_R8 && bf16)
+        qk::int4_r8_group<1>(isa, L.weight.data_ptr<uint8_t>() + g * 8 * (K / 2),
+                             L.scales.data_ptr<at::BFloat16>() + g * G * 8, zg, K, bpg, a, 0, y + g * 8, N, valid);
+      else if (L.kind == INT4_R8)
+        qk::int4_r8_group<1>(isa, L.weight.data_ptr<uint8_t>() + g * 8 * (K / 2), L.scales.data_ptr<float>() + g * G * 8,
+                             zg, K, bpg, a, 0, y + g * 8, N, valid);
       else
-        qk::int8_r8_group<1>(isa, L.weight.data_ptr<int8_t>() + g * 8 * K, s + g * G * 8, zg, K, bpg, a, 0,
-                             y + g * 8, N, valid);
+        qk::int8_r8_group<1>(isa, L.weight.data_ptr<int8_t>() + g * 8 * K, L.scales.data_ptr<float>() + g * G * 8, zg,
+                             K, bpg, a, 0, y + g * 8, N, valid);
     }
   }
   if (L.bias.defined()) {

@@ -509,11 +509,21 @@ void quantize_r8(const float* x, int64_t M, int64_t K, R8Activations& a, bool ni
   }
 }
 
-// Two cache lines of weights (one block of 8 rows at INT4) and, every other block, one line of scales ahead.
-inline void r8_prefetch(const void* w, const float* s, int64_t b) {
+// Two cache lines of weights (one block of 8 rows at INT4) and one line of scales ahead every 64 bytes of them
+// (every other block for fp32 scales of 32-element groups, every fourth for bf16).
+template <typename S>
+inline void r8_prefetch(const void* w, const S* s, int64_t b) {
   _mm_prefetch(static_cast<const char*>(w) + R8_PREFETCH, _MM_HINT_T0);
   _mm_prefetch(static_cast<const char*>(w) + R8_PREFETCH + 64, _MM_HINT_T0);
-  if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(s) + R8_PREFETCH / 4, _MM_HINT_T0);
+  if ((b & (64 / (8 * sizeof(S)) - 1)) == 0)
+    _mm_prefetch(reinterpret_cast<const char*>(s) + R8_PREFETCH * sizeof(S) / 16, _MM_HINT_T0);
+}
+
+// 8 group scales as fp32: stored as fp32, or as bf16 (the top half of an fp32, so widening is exact).
+inline __m256 load_scales8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_scales8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 inline int32_t load_i32(const int8_t* p) {
@@ -527,8 +537,9 @@ inline int32_t load_i32(const int8_t* p) {
 // nibble offset, 0 for INT8.
 struct R8Scales {
   __m256 s, off;  // the 8 rows' scales of the current group, and s * (-8 - z)
-  inline void load(const float* sp, const int8_t* zp, float base = -8.f) {
-    s = _mm256_loadu_ps(sp);
+  template <typename S>
+  inline void load(const S* sp, const int8_t* zp, float base = -8.f) {
+    s = load_scales8(sp);
     __m256 o = _mm256_set1_ps(base);
     if (zp) o = _mm256_sub_ps(o, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(zp)))));
@@ -553,8 +564,8 @@ inline void r8_store(float* out, int64_t ldo, int i, __m256 acc, int64_t valid) 
 
 // One group of 8 weight rows against MB activation rows (AVX2: vpmaddubsw pairs summed in int16 over a block's
 // 8 products per lane pair, at most 8 * 2 * 15 * 127 = 30480, then vpmaddwd to int32).
-template <int MB>
-inline void int4_r8_group_avx2(const uint8_t* w, const float* s, const int8_t* z, int64_t K, int64_t bpg,
+template <int MB, typename S>
+inline void int4_r8_group_avx2(const uint8_t* w, const S* s, const int8_t* z, int64_t K, int64_t bpg,
                                const R8Activations& a, int64_t m0, float* out, int64_t ldo, int64_t valid) {
   const int64_t nb = K / 32;
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -587,8 +598,8 @@ inline void int4_r8_group_avx2(const uint8_t* w, const float* s, const int8_t* z
 // instruction, where AVX2 needs vpmaddubsw + vpaddw + vpmaddwd). Compiled for that target only; called only when
 // the CPU and OS allow it (r8_isa).
 #define QTOOLKIT_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
-template <int MB>
-QTOOLKIT_VNNI void int4_r8_group_vnni(const uint8_t* w, const float* s, const int8_t* z, int64_t K, int64_t bpg,
+template <int MB, typename S>
+QTOOLKIT_VNNI void int4_r8_group_vnni(const uint8_t* w, const S* s, const int8_t* z, int64_t K, int64_t bpg,
                                       const R8Activations& a, int64_t m0, float* out, int64_t ldo, int64_t valid) {
   const int64_t nb = K / 32;
   const __m256i mask = _mm256_set1_epi8(0x0F);
@@ -641,8 +652,8 @@ int64_t r8_auto_isa() {
   return isa;
 }
 
-template <int MB>
-inline void int4_r8_group(int64_t isa, const uint8_t* w, const float* s, const int8_t* z, int64_t K, int64_t bpg,
+template <int MB, typename S>
+inline void int4_r8_group(int64_t isa, const uint8_t* w, const S* s, const int8_t* z, int64_t K, int64_t bpg,
                           const R8Activations& a, int64_t m0, float* out, int64_t ldo, int64_t valid) {
   if (isa == R8_VNNI) int4_r8_group_vnni<MB>(w, s, z, K, bpg, a, m0, out, ldo, valid);
   else int4_r8_group_avx2<MB>(w, s, z, K, bpg, a, m0, out, ldo, valid);
@@ -673,8 +684,34 @@ std::vector<torch::Tensor> int4_repack_r8(torch::Tensor packed, torch::Tensor sc
       if (asym) z.data_ptr<int8_t>()[(g * G + j) * 8 + r] = zeros.data_ptr<int8_t>()[n * G + j];
     }
   }
-  return {w.narrow(0, 0, N), s, z};
+  // Scales that bf16 holds exactly (a checkpoint's bf16 weight_scale, widened at load) are stored as bf16: at
+  // 32-element groups fp32 scales are a fifth of the bytes a decode step streams, bf16 ones a tenth, and the
+  // kernel widens them exactly, so the output is the same bits.
+  const bool bf16_exact = torch::equal(s.to(torch::kBFloat16).to(torch::kFloat32), s);
+  return {w.narrow(0, 0, N), bf16_exact ? s.to(torch::kBFloat16) : s, z};
 }
+
+namespace {
+
+template <typename S>
+void int4_r8_rows(int64_t isa, const R8Activations& acts, int64_t M, int64_t N, int64_t K, int64_t group,
+                  const uint8_t* wp, const S* sp, const int8_t* zp, float* out) {
+  const int64_t G = K / group, bpg = group / 32, groups = (N + 7) / 8;
+  at::parallel_for(0, groups, std::max<int64_t>(1, rows_per_task(N, K) / 8), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* wg = wp + g * 8 * (K / 2);
+      const S* sg = sp + g * G * 8;
+      const int8_t* zg = zp ? zp + g * G * 8 : nullptr;
+      const int64_t valid = std::min<int64_t>(8, N - g * 8);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) int4_r8_group<4>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
+      for (; m + 2 <= M; m += 2) int4_r8_group<2>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
+      for (; m < M; ++m) int4_r8_group<1>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
+    }
+  });
+}
+
+}  // namespace
 
 // y[M, N] = x[M, K] @ dequant(W)^T from the R8 copy; isa -1 picks by CPU (r8_auto_isa), 0 AVX2, 1 AVX-512 VNNI.
 torch::Tensor int4_matmul_r8(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor z, int64_t group,
@@ -684,31 +721,19 @@ torch::Tensor int4_matmul_r8(torch::Tensor x, torch::Tensor w, torch::Tensor s, 
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.size(1) * 2 == K && K % 32 == 0 && group % 32 == 0 &&
               K % group == 0 && w.storage().nbytes() >= static_cast<size_t>((w.storage_offset() + N8 * K / 2)),
               "w must be an int4_repack_r8 weight matching x's K");
-  TORCH_CHECK(s.dtype() == torch::kFloat32 && s.numel() == N8 * (K / group), "s must be int4_repack_r8's scales");
+  TORCH_CHECK((s.dtype() == torch::kFloat32 || s.dtype() == torch::kBFloat16) && s.numel() == N8 * (K / group),
+              "s must be int4_repack_r8's scales");
   TORCH_CHECK(z.numel() == 0 || (z.dtype() == torch::kInt8 && z.numel() == s.numel()), "bad zero points");
   if (isa < 0) isa = r8_auto_isa();
   TORCH_CHECK(isa == R8_AVX2 || (isa == R8_VNNI && r8_auto_isa() == R8_VNNI), "this CPU cannot run that ISA");
   static thread_local R8Activations a;  // reused: a decode step makes ~120 of these calls
   quantize_r8(x.data_ptr<float>(), M, K, a);
   auto y = torch::empty({M, N}, x.options());
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* sp = s.data_ptr<float>();
   const int8_t* zp = z.numel() ? z.data_ptr<int8_t>() : nullptr;
-  float* out = y.data_ptr<float>();
-  const int64_t G = K / group, bpg = group / 32, groups = N8 / 8;
-  const R8Activations& acts = a;
-  at::parallel_for(0, groups, std::max<int64_t>(1, rows_per_task(N, K) / 8), [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* wg = wp + g * 8 * (K / 2);
-      const float* sg = sp + g * G * 8;
-      const int8_t* zg = zp ? zp + g * G * 8 : nullptr;
-      const int64_t valid = std::min<int64_t>(8, N - g * 8);
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) int4_r8_group<4>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
-      for (; m + 2 <= M; m += 2) int4_r8_group<2>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
-      for (; m < M; ++m) int4_r8_group<1>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
-    }
-  });
+  if (s.dtype() == torch::kBFloat16)
+    int4_r8_rows(isa, a, M, N, K, group, w.data_ptr<uint8_t>(), s.data_ptr<at::BFloat16>(), zp, y.data_ptr<float>());
+  else
+    int4_r8_rows(isa, a, M, N, K, group, w.data_ptr<uint8_t>(), s.data_ptr<float>(), zp, y.data_ptr<float>());
   return y;
 }
 

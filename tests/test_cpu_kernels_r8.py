@@ -151,3 +151,17 @@ def test_a_b_switch_binds_the_checkpoint_layout_kernel(monkeypatch):
     old = make_linear(t, INT4["g32-asym"])
     assert old.bound_gemv.code == dispatch.GEMV_INT4 and old.gemv_args[0] is old.qweight
     assert _rel(lin(x), old(x)) < 1e-5
+
+
+def test_bf16_exact_scales_are_stored_as_bf16_and_give_the_same_bits():
+    """A checkpoint's bf16 scales, widened at load, are repacked as bf16 (half the scale bytes a decode step
+    streams); the kernel widens them exactly, so the output equals the fp32-scale kernel's bit for bit."""
+    ext = cpu_kernels()
+    _, lin = _layer(INT4["g32-asym"], 45, 640)
+    assert lin.gemv_args[1].dtype == torch.float32  # quantize_weight's scales are not all bf16 values
+    w, s, z = ext.int4_repack_r8(lin.qweight, lin.scales.bfloat16().float(), lin.zeros, 32)
+    assert s.dtype == torch.bfloat16
+    for isa in (0, 1) if _vnni() else (0,):
+        for m in (1, 3, 32):
+            x = torch.randn(m, 640)
+            assert torch.equal(ext.int4_matmul_r8(x, w, s, z, 32, isa), ext.int4_matmul_r8(x, w, s.float(), z, 32, isa))

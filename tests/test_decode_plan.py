@@ -25,7 +25,16 @@ BLOCK = 4
 
 def _model(tiny_model_dir, kind: str):
     model = load_model(resolve_model(str(tiny_model_dir)), "float32")
-    return model if kind == "fp32" else quantize_copy(model, kind)
+    if kind == "fp32":
+        return model
+    model = quantize_copy(model, kind.removesuffix("-bf16"))
+    if kind.endswith("-bf16"):  # scales a bf16 checkpoint would have: the kernels read them as bf16
+        for module in model.modules():
+            if getattr(module, "kind", None) == "int4":
+                module.scales.copy_(module.scales.bfloat16().float())
+                module._bind_gemv()
+                assert module.gemv_args[1].dtype == torch.bfloat16
+    return model
 
 
 def _steps(runner: ModelRunner) -> list[torch.Tensor]:
@@ -52,7 +61,8 @@ def _steps(runner: ModelRunner) -> list[torch.Tensor]:
     return [*logits, out.logits, *out.aux, one.logits, *one.aux]
 
 
-@pytest.mark.parametrize(("kind", "row_path"), [("fp32", True), ("int4", True), ("int4", False), ("fp8", False)])
+@pytest.mark.parametrize(("kind", "row_path"), [("fp32", True), ("int4", True), ("int4-bf16", True), ("int4", False),
+                                              ("fp8", False)])
 def test_plan_logits_identical_to_python_loop(tiny_model_dir, kind, row_path, monkeypatch):
     """fp32 and INT4 single rows take the one-parallel-region path (fp8 has none); QTOOLKIT_ROW_PATH=0 sends them
     through the batched path: every way gives the Python loop's bits."""
@@ -106,3 +116,20 @@ def test_engine_generates_the_same_tokens_with_and_without_the_plan(tiny_model_d
     slow = Engine(str(tiny_model_dir), kv_cache_memory="4MiB", block_size=BLOCK)
     assert [o.token_ids for o in slow.generate(prompts, params, use_tqdm=False)] == fast_out
     assert slow.model.decode_plan is False
+
+
+def test_single_row_path_gives_the_same_bits_at_any_thread_count(tiny_model_dir):
+    """The row path gives each thread a fixed share of every GEMV's rows; the share changes with the thread count,
+    the arithmetic of every output element does not."""
+    model = _model(tiny_model_dir, "int4")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _steps(ModelRunner(model, 16, BLOCK))
+        assert model.decode_plan.plan.row_path
+        torch.set_num_threads(3)  # more threads than cores, and an uneven split of 8-row groups
+        three = _steps(ModelRunner(model, 16, BLOCK))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, three, strict=True):
+        assert torch.equal(a, b)

@@ -72,6 +72,10 @@ class QuantLinear(nn.Module):
         return dispatch.quant_linear(x, self)
 
     def weight_bytes(self) -> int:
+        """Bytes a decode step reads: the copy the CPU GEMV was bound to (R8, bf16 scales where exact) when there
+        is one, else the checkpoint-layout buffers."""
+        if self.bound_gemv is not None:
+            return sum(t.nbytes for t in self.gemv_args[:3])
         return self.qweight.nbytes + self.scales.nbytes + self.zeros.nbytes
 
     def dequantized_weight(self) -> torch.Tensor:
