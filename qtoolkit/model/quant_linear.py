@@ -72,11 +72,14 @@ class QuantLinear(nn.Module):
         return dispatch.quant_linear(x, self)
 
     def weight_bytes(self) -> int:
-        """Bytes a decode step reads: the copy the CPU GEMV was bound to (R8, bf16 scales where exact) when there
-        is one, else the checkpoint-layout buffers."""
-        if self.bound_gemv is not None:
-            return sum(t.nbytes for t in self.gemv_args[:3])
-        return self.qweight.nbytes + self.scales.nbytes + self.zeros.nbytes
+        """Bytes a decode step reads for this layer's rows: the copy the CPU GEMV was bound to when there is one
+        (R8, its scales bf16 where that is exact; the padding rows of its last group of 8 not counted), else the
+        checkpoint-layout buffers."""
+        if self.bound_gemv is None:
+            return self.qweight.nbytes + self.scales.nbytes + self.zeros.nbytes
+        w, s, z = self.gemv_args[:3]
+        groups = self.scales.numel()  # rows x groups per row
+        return w.nbytes + groups * (s.element_size() + (z.element_size() if z.numel() else 0))
 
     def dequantized_weight(self) -> torch.Tensor:
         zeros = self.zeros.cpu() if self.zeros.numel() else None
