@@ -9,10 +9,11 @@ import statistics
 import sys
 import time
 
+from qtoolkit.kernels.roofline import measure_bandwidth
+
 from qtoolkit.bench.decode import PROMPT
 from qtoolkit.bench.decode_breakdown import format_breakdown, measure_breakdown
 from qtoolkit.engine import Engine, EngineConfig, SamplingParams
-from qtoolkit.kernels.roofline import measure_bandwidth
 
 TOKENS = 128
 
