@@ -2,7 +2,8 @@
 # bench serve with the decode plan's single-row path off (QTOOLKIT_ROW_PATH=0) and on: two servers of the same
 # checkpoint side by side, runs alternating between them, at c=1 (16 requests: the row path's steps) and c=32
 # (64 requests: batched steps). One unrecorded warm-up run per server first (its first requests pay one-time
-# costs: TTFT ~0.4 s against ~0.03 s after). Then serve_ab_summary.py OUTDIR writes OUTDIR/summary.json.
+# costs: TTFT ~0.4 s against ~0.03 s after). Then serve_ab_summary.py OUTDIR writes OUTDIR/summary.json
+# (removed in 9b0c4e1; `git show 9b0c4e1^:measurements/2026-12-02/issue27/row-path/serve_ab_summary.py`).
 # usage: serve_ab.sh CHECKPOINT OUTDIR ROUNDS
 set -u
 ckpt=$1; out=$2; rounds=${3:-3}
