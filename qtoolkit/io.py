@@ -212,10 +212,29 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _started_after(pid: int, when: float) -> bool:
+    """Process `pid` started after the epoch time `when` (so it is not the one that wrote a file then: pids are
+    reused, 32768 of them by default); False where /proc cannot say."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return False
+    return boot + ticks / os.sysconf("SC_CLK_TCK") > when + 1.0  # btime is whole seconds
+
+
 def _dead_writer(path: Path, marker: str) -> bool:
-    """`path` is named NAME<marker>PID..., and no process PID is alive (it was killed mid-write)."""
+    """`path` is named NAME<marker>PID..., and no process PID is alive (it was killed mid-write), or the one alive
+    under that pid started after `path` was last written (a reused pid)."""
     pid = path.name.rpartition(marker)[2].split("-")[0].split(".")[0]
-    return pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    if not _pid_alive(int(pid)):
+        return True
+    with contextlib.suppress(OSError):
+        return _started_after(int(pid), path.lstat().st_mtime)
+    return False
 
 
 def remove_stale(target: Path) -> None:
@@ -296,6 +315,10 @@ def write_text(path: str | os.PathLike, text: str, *, keep_previous: bool = Fals
             prev_tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.prev.tmp")
             os.link(path, prev_tmp)  # a second name for the old version, then moved into place atomically
             os.replace(prev_tmp, previous_path(path))
+            # renaming onto another name of the same file does nothing (POSIX), so where PATH.prev already is PATH
+            # (a writer killed between its two renames) the temporary name is still there: drop it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(prev_tmp)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException as e:

@@ -107,6 +107,37 @@ def test_an_old_folder_moved_aside_by_a_killed_writer_is_put_back(tmp_path):
     assert (target / "a").read_text() == "complete" and not aside.exists()
 
 
+def test_a_write_after_a_kill_between_the_two_renames_leaves_nothing_beside(tmp_path):
+    """A writer killed after moving the old version to .prev but before moving the new one in leaves .prev and the
+    file as one inode; renaming onto a name of the same file does nothing, so the next write drops its extra name."""
+    path = tmp_path / "eval.json"
+    write_json(path, {"version": 0})
+    os.link(path, previous_path(path))  # what that kill leaves: both names, one file
+    write_json(path, {"version": 1})
+    assert leftovers(tmp_path, "eval.json") == []
+    assert json.loads(path.read_text())["version"] == 1
+    assert json.loads(previous_path(path).read_text())["version"] == 0
+
+
+def test_a_temp_file_whose_pid_was_reused_is_cleared(tmp_path):
+    """A killed writer's pid can belong to a newer process by the time of the next write (pids wrap at 32768):
+    a temp file older than the live process bearing its pid is still a dead writer's, and goes."""
+    path = tmp_path / "eval.json"
+    write_json(path, {"version": 0})
+    newer = subprocess.Popen(["sleep", "30"])
+    try:
+        stale = tmp_path / f".eval.json.{newer.pid}-0123abcd.prev.tmp"
+        stale.write_text("{}")
+        os.utime(stale, (time.time() - 600, time.time() - 600))  # written before `newer` started
+        live = tmp_path / f".eval.json.{newer.pid}-4567cdef.tmp"
+        live.write_text("{}")  # written while `newer` runs: it may be writing it
+        write_json(path, {"version": 1})
+        assert not stale.exists() and live.exists()
+    finally:
+        newer.kill()
+        newer.wait()
+
+
 WRITER = textwrap.dedent("""
     import sys
     from qtoolkit.io import write_json
