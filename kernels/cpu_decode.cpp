@@ -96,7 +96,6 @@ inline bool row_path_ok(const Linear& L) {
   return L.act < 0 && weight && scales && bias;
 }
 
-
 inline void prefetch_units(const Linear& L, int64_t u0) {
   const char* p = static_cast<const char*>(L.weight.data_ptr()) + u0 * unit_bytes(L);
   for (int64_t o = 0; o < NEXT_PREFETCH; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
@@ -115,22 +114,15 @@ void gemv_units(const Linear& L, int64_t isa, const float* x, const qk::R8Activa
     const float* w = L.weight.data_ptr<float>();
     for (int64_t n = u0; n < u1; ++n) qe::gemv_row<1>(x, K, w + n * K, y + n, N);
   } else {
-    const int64_t G = K / L.group, bpg = L.group / 32;
-    const bool bf16 = L.scales.scalar_type() == torch::kBFloat16;
     const int8_t* z = L.zeros.numel() ? L.zeros.data_ptr<int8_t>() : nullptr;
-    for (int64_t g = u0; g < u1; ++g) {
-      const int64_t valid = std::min<int64_t>(8, N - g * 8);
-      const int8_t* zg = z ? z + g * G * 8 : nullptr;
-      if (L.kind == INT4_R8 && bf16)
-        qk::int4_r8_group<1>(isa, L.weight.data_ptr<uint8_t>() + g * 8 * (K / 2),
-                             L.scales.data_ptr<at::BFloat16>() + g * G * 8, zg, K, bpg, a, 0, y + g * 8, N, valid);
-      else if (L.kind == INT4_R8)
-        qk::int4_r8_group<1>(isa, L.weight.data_ptr<uint8_t>() + g * 8 * (K / 2), L.scales.data_ptr<float>() + g * G * 8,
-                             zg, K, bpg, a, 0, y + g * 8, N, valid);
-      else
-        qk::int8_r8_group<1>(isa, L.weight.data_ptr<int8_t>() + g * 8 * K, L.scales.data_ptr<float>() + g * G * 8, zg,
-                             K, bpg, a, 0, y + g * 8, N, valid);
-    }
+    if (L.kind == INT8_R8)
+      qk::int8_r8_span(isa, L.weight.data_ptr<int8_t>(), L.scales.data_ptr<float>(), z, N, K, L.group, a, 1, u0, u1, y);
+    else if (L.scales.scalar_type() == torch::kBFloat16)
+      qk::int4_r8_span(isa, L.weight.data_ptr<uint8_t>(), L.scales.data_ptr<at::BFloat16>(), z, N, K, L.group, a, 1,
+                       u0, u1, y);
+    else
+      qk::int4_r8_span(isa, L.weight.data_ptr<uint8_t>(), L.scales.data_ptr<float>(), z, N, K, L.group, a, 1, u0,
+                       u1, y);
   }
   if (L.bias.defined()) {
     const float* b = L.bias.data_ptr<float>();
@@ -187,10 +179,10 @@ class DecodePlan {
       for (const Linear* lin : {&L.qkv, &L.o, &L.gate_up, &L.down}) row_path_ = row_path_ && row_path_ok(*lin);
       for (const torch::Tensor* n : {&L.input_norm, &L.post_attn_norm, &L.k_cache, &L.v_cache})
         row_path_ = row_path_ && n->scalar_type() == torch::kFloat && n->is_contiguous();
+      // the gate and up halves of gate_up must split at a unit boundary, so a thread's gate rows meet its up rows
+      row_path_ = row_path_ && units(L.gate_up) % 2 == 0 &&
+                  units(L.gate_up) * unit_rows(L.gate_up) == L.gate_up.weight.size(0);
     }
-    // the gate and up halves of gate_up must split at a unit boundary, so a thread's gate rows meet its up rows
-    for (const Layer& L : layers_) row_path_ = row_path_ && units(L.gate_up) % 2 == 0 &&
-                                              units(L.gate_up) * unit_rows(L.gate_up) == L.gate_up.weight.size(0);
   }
 
   // x [T, hidden] fp32 embeddings; cos/sin [ropes, T, D/2]; slots [T]; block_table/row_seq/row_last as

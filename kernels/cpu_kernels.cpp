@@ -693,21 +693,29 @@ std::vector<torch::Tensor> int4_repack_r8(torch::Tensor packed, torch::Tensor sc
 
 namespace {
 
+// Groups [g0, g1) of 8 rows of an R8 INT4 weight (N rows) against the M rows of `acts`: out[m * N + 8g + r].
+// The one loop over groups, for the batched GEMV (int4_matmul_r8) and the decode loop's single-row path.
+template <typename S>
+void int4_r8_span(int64_t isa, const uint8_t* wp, const S* sp, const int8_t* zp, int64_t N, int64_t K,
+                  int64_t group, const R8Activations& acts, int64_t M, int64_t g0, int64_t g1, float* out) {
+  const int64_t G = K / group, bpg = group / 32;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = wp + g * 8 * (K / 2);
+    const S* sg = sp + g * G * 8;
+    const int8_t* zg = zp ? zp + g * G * 8 : nullptr;
+    const int64_t valid = std::min<int64_t>(8, N - g * 8);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) int4_r8_group<4>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
+    for (; m + 2 <= M; m += 2) int4_r8_group<2>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
+    for (; m < M; ++m) int4_r8_group<1>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
+  }
+}
+
 template <typename S>
 void int4_r8_rows(int64_t isa, const R8Activations& acts, int64_t M, int64_t N, int64_t K, int64_t group,
                   const uint8_t* wp, const S* sp, const int8_t* zp, float* out) {
-  const int64_t G = K / group, bpg = group / 32, groups = (N + 7) / 8;
-  at::parallel_for(0, groups, std::max<int64_t>(1, rows_per_task(N, K) / 8), [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* wg = wp + g * 8 * (K / 2);
-      const S* sg = sp + g * G * 8;
-      const int8_t* zg = zp ? zp + g * G * 8 : nullptr;
-      const int64_t valid = std::min<int64_t>(8, N - g * 8);
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) int4_r8_group<4>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
-      for (; m + 2 <= M; m += 2) int4_r8_group<2>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
-      for (; m < M; ++m) int4_r8_group<1>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
-    }
+  at::parallel_for(0, (N + 7) / 8, std::max<int64_t>(1, rows_per_task(N, K) / 8), [&](int64_t begin, int64_t end) {
+    int4_r8_span(isa, wp, sp, zp, N, K, group, acts, M, begin, end, out);
   });
 }
 
@@ -806,6 +814,21 @@ inline void int8_r8_group(int64_t isa, const int8_t* w, const float* s, const in
   else int8_r8_group_avx2<MB>(w, s, z, K, bpg, a, m0, out, ldo, valid);
 }
 
+// Groups [g0, g1) of an R8 INT8 weight against the M rows of `acts`, as int4_r8_span.
+void int8_r8_span(int64_t isa, const int8_t* wp, const float* sp, const int8_t* zp, int64_t N, int64_t K,
+                  int64_t group, const R8Activations& acts, int64_t M, int64_t g0, int64_t g1, float* out) {
+  const int64_t G = K / group, bpg = group / 32;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int8_t* wg = wp + g * 8 * K;
+    const float* sg = sp + g * G * 8;
+    const int8_t* zg = zp ? zp + g * G * 8 : nullptr;
+    const int64_t valid = std::min<int64_t>(8, N - g * 8);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) int8_r8_group<4>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
+    for (; m < M; ++m) int8_r8_group<1>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
+  }
+}
+
 }  // namespace
 
 // The R8 copy of an int8 weight [N, K] with group scales [N, K/group]: (w [N, K] int8 view over N8 rows,
@@ -858,18 +881,9 @@ torch::Tensor int8_matmul_r8(torch::Tensor x, torch::Tensor w, torch::Tensor s, 
   const float* sp = s.data_ptr<float>();
   const int8_t* zp = z.numel() ? z.data_ptr<int8_t>() : nullptr;
   float* out = y.data_ptr<float>();
-  const int64_t G = K / group, bpg = group / 32;
   const R8Activations& acts = a;
   at::parallel_for(0, N8 / 8, std::max<int64_t>(1, rows_per_task(N, K) / 8), [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int8_t* wg = wp + g * 8 * K;
-      const float* sg = sp + g * G * 8;
-      const int8_t* zg = zp ? zp + g * G * 8 : nullptr;
-      const int64_t valid = std::min<int64_t>(8, N - g * 8);
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) int8_r8_group<4>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
-      for (; m < M; ++m) int8_r8_group<1>(isa, wg, sg, zg, K, bpg, acts, m, out + m * N + g * 8, N, valid);
-    }
+    int8_r8_span(isa, wp, sp, zp, N, K, group, acts, M, begin, end, out);
   });
   return y;
 }
