@@ -51,6 +51,24 @@ def test_rounds_interleave_systems_and_ratios_use_the_baseline():
     assert report["ratios"] == {"a_over_b": pytest.approx(2.0)}
 
 
+def test_the_bandwidth_probe_runs_at_the_start_of_each_round():
+    calls = []
+
+    def run(n):
+        calls.append("decode")
+        return [i * 0.01 for i in range(n)]
+
+    def probe():
+        calls.append("probe")
+        return 20.0 + calls.count("probe")
+
+    report = run_decode_bench({"a": (run, {})}, tokens=4, rounds=3, baseline=None, probe=probe)
+    assert calls == ["decode"] + ["probe", "decode"] * 3  # not before the warm-up
+    assert report["memory_bandwidth_gb_s_per_round"] == [21.0, 22.0, 23.0]
+    assert "memory_bandwidth_gb_s_per_round" not in run_decode_bench({"a": (run, {})}, tokens=4, rounds=1,
+                                                                     baseline=None)
+
+
 def test_cli_engine_vs_hf_on_tiny_model(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "decode.json"
     rc = main(["bench", "decode", "--model", str(tiny_model_dir), "--compare", "hf", "--tokens", "6", "--rounds", "2",

@@ -85,11 +85,16 @@ def decode_rate(stamps: list[float]) -> float:
 
 
 def run_decode_bench(systems: dict[str, tuple[Decoder, dict[str, Any]]], *, tokens: int, rounds: int,
-                     baseline: str | None, progress=None) -> dict[str, Any]:
+                     baseline: str | None, progress=None, probe: Callable[[], float] | None = None) -> dict[str, Any]:
+    """`probe` (the DRAM bandwidth, GB/s) runs at the start of every round, so a round's rates can be set against
+    the bandwidth of that moment: on a shared machine it moves by half within minutes."""
     samples: dict[str, list[float]] = {name: [] for name in systems}
+    bandwidths: list[float] = []
     for decode, _ in systems.values():  # warm-up: kernels built, caches touched, threads spun up
         decode(min(8, tokens))
     for _ in range(rounds):
+        if probe is not None:
+            bandwidths.append(round(probe(), 2))
         for name, (decode, _) in systems.items():
             samples[name].append(decode_rate(decode(tokens)))
             if progress is not None:
@@ -101,7 +106,8 @@ def run_decode_bench(systems: dict[str, tuple[Decoder, dict[str, Any]]], *, toke
         base = results[baseline]["decode_tok_per_s"]
         ratios = {f"{name}_over_{baseline}": r["decode_tok_per_s"] / base
                   for name, r in results.items() if name != baseline}
-    return {"tokens": tokens, "rounds": rounds, "prompt": PROMPT, "systems": results, "ratios": ratios}
+    report = {"tokens": tokens, "rounds": rounds, "prompt": PROMPT, "systems": results, "ratios": ratios}
+    return {**report, "memory_bandwidth_gb_s_per_round": bandwidths} if probe is not None else report
 
 
 def format_table(report: dict[str, Any]) -> str:

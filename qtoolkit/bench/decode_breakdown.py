@@ -9,6 +9,12 @@ time per decode step is split into
 - host overhead: the engine step outside the forward (scheduling, batch preparation, sampling, detokenizing).
 The roofline is the tok/s at which a step would only stream its weights once at the DRAM bandwidth measured as
 `qtool diagnose` measures it (kernels/roofline.measure_bandwidth); the fraction is achieved / roofline.
+
+RooflineRounds sets each timed round's rate against the bandwidth measured at the start of that round (a shared
+machine's bandwidth moves by half within minutes, so one probe before or after says little of the rounds), and
+against the read rate of a buffer as large as a token's weights: where the last-level cache holds a share of them
+(480 MiB on some Xeons) the DRAM roofline is no hard ceiling, and that second fraction says how far off the
+attainable rate the decode is.
 """
 
 from __future__ import annotations
@@ -41,6 +47,36 @@ class DecodeBreakdown:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class RooflineRounds:
+    weight_bytes_per_token: int
+    bandwidth_gb_s: list[float]  # DRAM read bandwidth at the start of each round
+    fractions: list[float]  # each round's tok/s over the roofline at that round's bandwidth
+    median_fraction: float
+    working_set_bandwidth_gb_s: float  # the read rate of a buffer as large as a token's weights, caches included
+    working_set_fraction: float  # the median tok/s over the roofline at that rate
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def roofline_rounds(rates: list[float], bandwidths: list[float], weight_bytes: int,
+                    working_set_bandwidth_gb_s: float) -> RooflineRounds:
+    """Round-paired roofline fractions of one system's decode rates (tok/s), as the module docstring says."""
+    fractions = [round(r * weight_bytes / (bw * 1e9), 3) for r, bw in zip(rates, bandwidths, strict=True)]
+    working_set = statistics.median(rates) * weight_bytes / (working_set_bandwidth_gb_s * 1e9)
+    return RooflineRounds(weight_bytes, bandwidths, fractions, round(statistics.median(fractions), 3),
+                          round(working_set_bandwidth_gb_s, 2), round(working_set, 3))
+
+
+def format_roofline(name: str, r: RooflineRounds) -> str:
+    return (f"{name}: {r.weight_bytes_per_token / 1e6:.1f} MB/token; DRAM roofline reached per round "
+            + ", ".join(f"{100 * f:.0f}%" for f in r.fractions)
+            + f" (median {100 * r.median_fraction:.0f}%, at {min(r.bandwidth_gb_s):.1f}-{max(r.bandwidth_gb_s):.1f}"
+              f" GB/s); against a buffer of that size ({r.working_set_bandwidth_gb_s:.1f} GB/s, caches included) "
+              f"{100 * r.working_set_fraction:.0f}%")
 
 
 class _Timers:

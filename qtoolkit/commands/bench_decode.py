@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..bench.decode import engine_decoder, format_table, hf_decoder, llama_cpp_decoder, run_decode_bench
-    from ..bench.decode_breakdown import DecodeBreakdown, format_breakdown
+    from ..bench.decode_breakdown import DecodeBreakdown, RooflineRounds, format_breakdown, format_roofline
+    from ..kernels.roofline import measure_bandwidth
     from ..model.sources import default_gguf_path, resolve_model
     from ..provenance import provenance
 
@@ -67,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         systems["hf"] = hf_decoder(resolve_model(models[0]).path, args.dtype)
     with bar(total=args.rounds * len(systems), desc="decode rounds", unit="run") as progress:
         report = run_decode_bench(systems, tokens=args.tokens, rounds=args.rounds,
-                                  baseline="llama.cpp" if "llama.cpp" in systems else None, progress=progress)
+                                  baseline="llama.cpp" if "llama.cpp" in systems else None, progress=progress,
+                                  probe=None if args.no_breakdown else measure_bandwidth)
     if not args.no_breakdown:
         report = _with_breakdowns(report, systems, args.tokens)
     report = {**provenance(command="bench decode", models=models, compare=peers, threads=threads), **report}
@@ -75,23 +77,32 @@ def run(args: argparse.Namespace) -> int:
     for name, r in report["systems"].items():
         if "breakdown" in r:
             print(format_breakdown(name, DecodeBreakdown(**r["breakdown"])))
+            print(format_roofline(name, RooflineRounds(**r["roofline"])))
     path = write_json(args.output, report)
     status(f"wrote {path}")
     return 0
 
 
 def _with_breakdowns(report: dict, systems: dict, tokens: int) -> dict:
-    """Each engine system's per-token split and roofline fraction (qtoolkit/bench/decode_breakdown.py), after the
-    timed rounds, against the DRAM bandwidth measured once here."""
+    """Each engine system's roofline fractions of its timed rounds (against the bandwidth measured at the start of
+    each round, and against a buffer as large as its weights) and, from one more timed decode, its per-token split
+    against the DRAM bandwidth measured once here (qtoolkit/bench/decode_breakdown.py)."""
     # start-up time, as in run(): these pull torch and the engine
     from ..bench.decode import PROMPT
-    from ..bench.decode_breakdown import measure_breakdown
+    from ..bench.decode_breakdown import measure_breakdown, roofline_rounds
+    from ..diagnose.run import model_bytes
     from ..kernels.roofline import measure_bandwidth
 
     status("measuring memory bandwidth and the per-token breakdown")
     bandwidth = measure_bandwidth()
     for name, (decode, _) in systems.items():
         engine = getattr(decode, "engine", None)
-        if engine is not None:
-            report["systems"][name]["breakdown"] = measure_breakdown(engine, PROMPT, tokens, bandwidth).to_json()
+        if engine is None:
+            continue
+        result = report["systems"][name]
+        weight_bytes = model_bytes(engine.model).decode_bytes_per_step
+        working_set = measure_bandwidth(size_mb=max(1, weight_bytes >> 20))
+        result["roofline"] = roofline_rounds(result["samples"], report["memory_bandwidth_gb_s_per_round"],
+                                             weight_bytes, working_set).to_json()
+        result["breakdown"] = measure_breakdown(engine, PROMPT, tokens, bandwidth).to_json()
     return {**report, "memory_bandwidth_gb_s": round(bandwidth, 2)}
