@@ -11,9 +11,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
+#include <sched.h>
 #include <cpuid.h>
 #include <immintrin.h>
 #include <strings.h>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -73,6 +75,91 @@ struct Layer {
 // Weights one thread prefetches of its share of the next GEMV before a barrier: as far ahead as the GEMV kernels
 // keep their own prefetch (R8_PREFETCH), so the kernel's stream continues where this one stops.
 constexpr int64_t NEXT_PREFETCH = 4096;
+
+// The single-row path's barrier (6 a layer, 180 a token on the default model). libgomp's own spins up to 300,000
+// pauses before it sleeps, ~10 ms on a Xeon whose pause takes ~140 cycles: when another process holds one of the
+// cores, the waiting thread burns its time slice while the thread it waits for is not running, and a token took 75
+// ms instead of 4 (18 ms with OMP_WAIT_POLICY=passive, which costs 3x at idle: a futex wake-up per barrier). This
+// one spins for a bounded time, which covers the waits of an idle machine (tens of microseconds), then yields the
+// core to whoever is runnable (measurements/2026-12-02/issue27/intel-xeon/README.md).
+class RowBarrier {
+ public:
+  void reset(int n) {
+    n_ = n;
+    count_.store(0, std::memory_order_relaxed);
+  }
+  // The last arrival's acquire on the counter sees every arrival's writes; it publishes them with the release of
+  // the new generation, which the waiters acquire.
+  void wait() {
+    const int gen = generation_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+      count_.store(0, std::memory_order_relaxed);
+      generation_.store(gen + 1, std::memory_order_release);
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_US);
+    for (int i = 1; generation_.load(std::memory_order_acquire) == gen; ++i) {
+      _mm_pause();
+      if (i % 64 == 0 && std::chrono::steady_clock::now() > deadline) sched_yield();
+    }
+  }
+
+ private:
+  static constexpr int SPIN_US = 50;
+  int n_ = 1;
+  alignas(64) std::atomic<int> count_{0};
+  alignas(64) std::atomic<int> generation_{0};
+};
+
+// How many threads a single-row step runs. Every thread computes the same bits for its rows at any team size, so
+// the choice changes speed only. At idle the full team is fastest; when other processes hold the cores, every
+// barrier waits for a thread that is not running, and one thread, which needs no barrier, is faster: with one
+// busy process beside it a token took 22 ms at two threads and ~8 at one (measurements/2026-12-02/issue27/
+// intel-xeon/README.md). The team is chosen from the steps' own wall times: while the full team runs near its best
+// time nothing else is tried (no cost at idle); once it runs PROBE_SLOWER times slower, a one-thread step is timed
+// at most every PROBE_EVERY steps, and whichever size has the smaller moving average runs; on one thread the full
+// team is retimed every PROBE_EVERY steps, so the step returns to it when the machine frees up.
+class RowTeam {
+ public:
+  // the team size of the next step, `full` being torch's thread count
+  int pick(int full) {
+    if (full != full_) reset(full);
+    if (full_ == 1 || !adaptive) return team_ = full_;
+    ++step_;
+    const bool due = step_ - last_probe_ >= PROBE_EVERY;
+    if (team_ == full_ && due && many_ > PROBE_SLOWER * best_) return probe(1);
+    if (team_ == 1 && due) return probe(full_);
+    return team_;
+  }
+  void record(int team, double seconds) {
+    if (full_ == 1 || !adaptive) return;
+    double& avg = team == 1 ? one_ : many_;
+    avg = avg == 0 ? seconds : (1 - ALPHA) * avg + ALPHA * seconds;
+    // the best full-team time follows a slowly growing context (attention lengthens the step) but not a jump
+    if (team != 1) best_ = best_ == 0 ? seconds : std::min(seconds, best_ * 1.01);
+    if (one_ > 0 && one_ < SWITCH * many_) team_ = 1;
+    else if (many_ < one_) team_ = full_;
+  }
+  int team() const { return team_; }
+  bool adaptive = true;  // cleared for A/B measurements and tests (decode_plan.py)
+
+ private:
+  static constexpr double ALPHA = 0.5, PROBE_SLOWER = 1.5, SWITCH = 0.9;
+  static constexpr int64_t PROBE_EVERY = 16;
+  void reset(int full) {
+    full_ = team_ = full;
+    step_ = 0;
+    last_probe_ = -PROBE_EVERY;
+    one_ = many_ = best_ = 0;
+  }
+  int probe(int team) {
+    last_probe_ = step_;
+    return team;
+  }
+  int full_ = 0, team_ = 0;
+  int64_t step_ = 0, last_probe_ = -PROBE_EVERY;
+  double one_ = 0, many_ = 0, best_ = 0;
+};
 
 inline std::pair<int64_t, int64_t> share(int64_t n, int t, int P) { return {n * t / P, n * (t + 1) / P}; }
 
@@ -236,6 +323,9 @@ class DecodePlan {
   void reset_times() { gemv_ = attention_ = other_ = 0.0; }
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   bool row_path() const { return row_path_ && use_row_path_; }
+  int64_t row_team() const { return team_.team(); }
+  bool adaptive_team() const { return team_.adaptive; }
+  void set_adaptive_team(bool on) { team_.adaptive = on; }
   void set_row_path(bool on) { use_row_path_ = on; }
 
   // The single-row path (see above): one parallel region over all layers.
@@ -270,15 +360,22 @@ class DecodePlan {
     act_.resize(I);
     gate_up_.resize(2 * I);
     y_.resize(hidden);
-    const int threads = std::max(1, at::get_num_threads());
-    scratch_.resize(threads);
+    const int full = std::max(1, at::get_num_threads()), threads = team_.pick(full);
+    scratch_.resize(full);
     for (RowScratch& r : scratch_) {
       r.residual.resize(hidden);
       r.normed.resize(hidden);
       r.q.resize(H_ * D);
     }
+    const auto start = Clock::now();
 #pragma omp parallel num_threads(threads)
-    row_thread(st, omp_get_thread_num(), omp_get_num_threads());
+    {
+      // the team may be smaller than asked (a nested call gets one thread): the barrier counts the real one
+      if (omp_get_thread_num() == 0) barrier_.reset(omp_get_num_threads());
+#pragma omp barrier
+      row_thread(st, omp_get_thread_num(), omp_get_num_threads());
+    }
+    team_.record(threads, seconds(start, Clock::now()));
     auto out_x = torch::from_blob(y_.data(), {1, hidden}, x.options()).clone();
     auto out_res = torch::from_blob(scratch_[0].residual.data(), {1, hidden}, x.options()).clone();
     std::vector<torch::Tensor> out{out_x, out_res};
@@ -311,7 +408,7 @@ class DecodePlan {
         std::copy(qkv_.data() + (H_ + Hk_ + h) * D, qkv_.data() + (H_ + Hk_ + h + 1) * D,
                   vc + (st.slot * Hk_ + h) * D);
       }
-#pragma omp barrier
+    barrier_.wait();
     const int64_t first = L.window > 0 ? std::max<int64_t>(0, st.last - L.window + 1) : 0;
     for (int64_t h = h0; h < h1; ++h)  // one head per call: the same bits as the batched path's G heads per call
       qe::attend<float, float>(r.q.data() + h * D, D, kc, vc, nullptr, nullptr, st.table, first, st.last, bs, Hk_,
@@ -350,10 +447,10 @@ class DecodePlan {
       prepare(L.qkv, r.normed.data(), r.acts);
       gemv_units(L.qkv, isa, r.normed.data(), r.acts, q0, q1, qkv_.data());
       prefetch_units(L.o, share(units(L.o), t, P).first);
-#pragma omp barrier
+      barrier_.wait();
       auto t2 = Clock::now();
       row_attention(L, st, r, t, P);
-#pragma omp barrier
+      barrier_.wait();
       auto t3 = Clock::now();
       const auto [o0, o1] = share(units(L.o), t, P);
       prepare(L.o, attn_.data(), r.acts);
@@ -362,7 +459,7 @@ class DecodePlan {
       const auto [g0, g1] = share(gu_half, t, P);
       prefetch_units(L.gate_up, g0);
       prefetch_units(L.gate_up, gu_half + g0);
-#pragma omp barrier
+      barrier_.wait();
       auto t4 = Clock::now();
       qe::add_rms_norm_impl<float>(o_.data(), r.residual.data(), L.post_attn_norm.data_ptr<float>(),
                                    r.residual.data(), r.normed.data(), 1, hidden, static_cast<float>(eps_));
@@ -376,13 +473,13 @@ class DecodePlan {
       for (int64_t i = g0 * rows; i < std::min(I, g1 * rows); ++i)
         act_[i] = qe::silu_times(gate_up_[i], gate_up_[I + i]);
       prefetch_units(L.down, share(units(L.down), t, P).first);
-#pragma omp barrier
+      barrier_.wait();
       auto t7 = Clock::now();
       const auto [d0, d1] = share(units(L.down), t, P);
       prepare(L.down, act_.data(), r.acts);
       gemv_units(L.down, isa, act_.data(), r.acts, d0, d1, y_.data());
       if (l + 1 < layers_.size()) prefetch_units(layers_[l + 1].qkv, share(units(layers_[l + 1].qkv), t, P).first);
-#pragma omp barrier
+      barrier_.wait();
       auto t8 = Clock::now();
       xin = y_.data();
       gemv += seconds(t1, t2) + seconds(t3, t4) + seconds(t5, t6) + seconds(t7, t8);
@@ -405,6 +502,8 @@ class DecodePlan {
   bool use_row_path_ = true;  // cleared for A/B measurements and tests (decode_plan.py)
   std::vector<float> qkv_, attn_, o_, gate_up_, act_, y_;  // the single-row path's shared buffers
   std::vector<RowScratch> scratch_;
+  RowBarrier barrier_;
+  RowTeam team_;
   int64_t H_, Hk_;
   double eps_, scale_;
   double gemv_ = 0.0, attention_ = 0.0, other_ = 0.0;
@@ -420,5 +519,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reset_times", &DecodePlan::reset_times)
       .def_property_readonly("num_layers", &DecodePlan::num_layers)
       // whether a single row takes the one-parallel-region path (settable: False sends it through the batched one)
-      .def_property("row_path", &DecodePlan::row_path, &DecodePlan::set_row_path);
+      .def_property("row_path", &DecodePlan::row_path, &DecodePlan::set_row_path)
+      // the single-row path's team size for the next steps, and whether it follows the machine's load (RowTeam)
+      .def_property_readonly("row_team", &DecodePlan::row_team)
+      .def_property("adaptive_team", &DecodePlan::adaptive_team, &DecodePlan::set_adaptive_team);
+  // RowTeam's policy alone, driven by given step times in tests
+  py::class_<RowTeam>(m, "RowTeam")
+      .def(py::init<>())
+      .def("pick", &RowTeam::pick)
+      .def("record", &RowTeam::record)
+      .def_property_readonly("team", &RowTeam::team);
 }

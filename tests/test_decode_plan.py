@@ -118,9 +118,10 @@ def test_engine_generates_the_same_tokens_with_and_without_the_plan(tiny_model_d
     assert slow.model.decode_plan is False
 
 
-def test_single_row_path_gives_the_same_bits_at_any_thread_count(tiny_model_dir):
+def test_single_row_path_gives_the_same_bits_at_any_thread_count(tiny_model_dir, monkeypatch):
     """The row path gives each thread a fixed share of every GEMV's rows; the share changes with the thread count,
-    the arithmetic of every output element does not."""
+    the arithmetic of every output element does not (so RowTeam may change the team size mid-generation)."""
+    monkeypatch.setenv("QTOOLKIT_ADAPTIVE_TEAM", "0")  # 3 threads on 2 cores would drop to one
     model = _model(tiny_model_dir, "int4")
     threads = torch.get_num_threads()
     try:
@@ -129,7 +130,53 @@ def test_single_row_path_gives_the_same_bits_at_any_thread_count(tiny_model_dir)
         assert model.decode_plan.plan.row_path
         torch.set_num_threads(3)  # more threads than cores, and an uneven split of 8-row groups
         three = _steps(ModelRunner(model, 16, BLOCK))
+        assert not model.decode_plan.plan.adaptive_team and model.decode_plan.plan.row_team == 3
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(one, three, strict=True):
         assert torch.equal(a, b)
+
+
+def _drive(team, full: int, seconds_at: dict[int, float], steps: int) -> list[int]:
+    """The team sizes RowTeam picks over `steps` steps whose times depend on the team size only."""
+    picked = []
+    for _ in range(steps):
+        size = team.pick(full)
+        team.record(size, seconds_at[size])
+        picked.append(size)
+    return picked
+
+
+def test_row_team_keeps_the_full_team_at_idle_and_drops_to_one_thread_under_load():
+    team = fused_decode().RowTeam()
+    idle = {2: 0.004, 1: 0.008}
+    assert _drive(team, 2, idle, 100) == [2] * 100  # never a one-thread probe while the team runs at its best
+    # another process takes a core: two threads now take 22 ms, one takes 8
+    busy = {2: 0.022, 1: 0.008}
+    picked = _drive(team, 2, busy, 64)
+    assert picked[0] == 2 and picked[1] == 1 and picked.count(2) <= 1 + 64 // 16  # then only the periodic probes
+    assert team.team == 1
+    # the machine frees up: the periodic full-team probes bring the team back within a few of them
+    picked = _drive(team, 2, idle, 96)
+    assert picked[-16:] == [2] * 16 and team.team == 2
+
+
+def test_row_team_stays_when_one_thread_is_no_faster_and_keeps_one_thread_runs_alone():
+    team = fused_decode().RowTeam()
+    _drive(team, 2, {2: 0.004, 1: 0.008}, 10)
+    # slower, but one thread is slower still (a busy memory bus, not a busy core): one probe, then the full team
+    picked = _drive(team, 4, {4: 0.004, 1: 0.008}, 5) + _drive(team, 4, {4: 0.010, 1: 0.030}, 40)
+    assert picked.count(1) <= 40 // 16 + 1 and team.team == 4
+    one = fused_decode().RowTeam()
+    assert _drive(one, 1, {1: 0.008}, 5) == [1] * 5 and one.team == 1
+
+
+def test_row_team_is_fixed_when_not_adaptive(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("QTOOLKIT_ADAPTIVE_TEAM", "0")
+    model = _model(tiny_model_dir, "int4")
+    _steps(ModelRunner(model, 16, BLOCK))
+    assert model.decode_plan.plan.adaptive_team is False
+    monkeypatch.delenv("QTOOLKIT_ADAPTIVE_TEAM")
+    model = _model(tiny_model_dir, "int4")
+    _steps(ModelRunner(model, 16, BLOCK))
+    assert model.decode_plan.plan.adaptive_team is True

@@ -43,6 +43,12 @@ def row_path_enabled() -> bool:
     return os.environ.get("QTOOLKIT_ROW_PATH", "1") != "0"
 
 
+def adaptive_team_enabled() -> bool:
+    """Whether the single-row path drops to one thread while other processes hold the cores (RowTeam in
+    kernels/cpu_decode.cpp); QTOOLKIT_ADAPTIVE_TEAM=0 keeps torch's thread count, for A/B measurements."""
+    return os.environ.get("QTOOLKIT_ADAPTIVE_TEAM", "1") != "0"
+
+
 def cache_key(model) -> tuple[int, ...]:
     first = model.layers[0].attn
     return first.k_cache.data_ptr(), first.v_cache.data_ptr()
@@ -101,4 +107,5 @@ def build_plan(model) -> DecodePlan | None:
         return None
     plan = ext.DecodePlan(tensors, ints, c.num_heads, c.num_kv_heads, eps.pop(), scales.pop())
     plan.row_path = plan.row_path and row_path_enabled()
+    plan.adaptive_team = adaptive_team_enabled()
     return DecodePlan(plan, min(rows), cache_key(model))
