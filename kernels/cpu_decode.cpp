@@ -114,8 +114,8 @@ class RowBarrier {
 // How many threads a single-row step runs. Every thread computes the same bits for its rows at any team size, so
 // the choice changes speed only. At idle the full team is fastest; when other processes hold the cores, every
 // barrier waits for a thread that is not running, and one thread, which needs no barrier, is faster: with one
-// busy process beside it a token took 22 ms at two threads and ~8 at one (measurements/2026-12-02/issue27/
-// intel-xeon/README.md). The team is chosen from the steps' own wall times: while the full team runs near its best
+// busy process beside it a token took 21 ms at two threads and 16 at one, 66 with libgomp's barrier
+// (measurements/2026-12-02/issue27/intel-xeon/loaded_ab.jsonl). The team is chosen from the steps' own wall times: while the full team runs near its best
 // time nothing else is tried (no cost at idle); once it runs PROBE_SLOWER times slower, a one-thread step is timed
 // at most every PROBE_EVERY steps, and whichever size has the smaller moving average runs; on one thread the full
 // team is retimed every PROBE_EVERY steps, so the step returns to it when the machine frees up.
