@@ -285,12 +285,15 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
 
 namespace {
 
-// MB activation rows against one weight row: MB accumulators, the weight row streamed once.
+// MB activation rows against one weight row: MB accumulators, the weight row streamed once. Each 64 bytes of
+// weight prefetch the line 8 KiB ahead (a few rows on): the fp32 decode GEMVs then read 20.1 instead of 19.3 GB/s,
+// same bits (measurements/2026-12-02/issue27/intel-xeon/dense-prefetch.txt); a second accumulator did not help.
 template <int MB, typename W>
 inline void gemv_row(const float* x, int64_t K, const W* w, float* y, int64_t N) {
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
+    if ((k & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k) + 8192, _MM_HINT_T0);
     const __m256 wv = load8(w + k);
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);
   }
