@@ -91,7 +91,7 @@ class RowBarrier {
   // The last arrival's acquire on the counter sees every arrival's writes; it publishes them with the release of
   // the new generation, which the waiters acquire.
   void wait() {
-    const int gen = generation_.load(std::memory_order_acquire);
+    const unsigned gen = generation_.load(std::memory_order_acquire);
     if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
       count_.store(0, std::memory_order_relaxed);
       generation_.store(gen + 1, std::memory_order_release);
@@ -108,17 +108,18 @@ class RowBarrier {
   static constexpr int SPIN_US = 50;
   int n_ = 1;
   alignas(64) std::atomic<int> count_{0};
-  alignas(64) std::atomic<int> generation_{0};
+  alignas(64) std::atomic<unsigned> generation_{0};  // unsigned: wraps after 2^32 barriers, defined
 };
 
 // How many threads a single-row step runs. Every thread computes the same bits for its rows at any team size, so
 // the choice changes speed only. At idle the full team is fastest; when other processes hold the cores, every
 // barrier waits for a thread that is not running, and one thread, which needs no barrier, is faster: with one
 // busy process beside it a token took 21 ms at two threads and 16 at one, 66 with libgomp's barrier
-// (measurements/2026-12-02/issue27/intel-xeon/loaded_ab.jsonl). The team is chosen from the steps' own wall times: while the full team runs near its best
-// time nothing else is tried (no cost at idle); once it runs PROBE_SLOWER times slower, a one-thread step is timed
-// at most every PROBE_EVERY steps, and whichever size has the smaller moving average runs; on one thread the full
-// team is retimed every PROBE_EVERY steps, so the step returns to it when the machine frees up.
+// (measurements/2026-12-02/issue27/intel-xeon/loaded_ab.jsonl). The team is chosen from the steps' own wall
+// times: while the full team runs near its best time nothing else is tried (no cost at idle); once it runs
+// PROBE_SLOWER times slower, a one-thread step is timed at most every PROBE_EVERY steps, and whichever size has the
+// smaller moving average runs; on one thread the full team is retimed every PROBE_EVERY steps, so the step returns
+// to it when the machine frees up.
 class RowTeam {
  public:
   // the team size of the next step, `full` being torch's thread count
