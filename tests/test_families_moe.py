@@ -253,18 +253,20 @@ def test_moe_runs_only_the_routed_experts_once_each_with_their_tokens(wide_moe):
     routed = {e: int((picked == e).sum()) for e in picked.unique().tolist()}
     assert {e: sum(n) for e, n in calls.items()} == routed and all(len(n) == 1 for n in calls.values())
     assert len(routed) < 8
-    # the same sum written densely: every token through its k experts, weighted
-    dense = torch.stack([sum(w * _expert_dense(block.experts[e], x[t])
+    # the same sum written densely: every token through its k experts, weighted, in float64. x is scaled by 10, so
+    # the down projection sums terms of ~100 into outputs of ~1, and fp32's summation order (a BLAS's against the
+    # engine's GEMV) moves an output by up to ~4e-4 on some CPUs; a wrong routing or weight moves it by ~1.
+    dense = torch.stack([sum(w.double() * _expert_dense(block.experts[e], x[t].double())
                              for w, e in zip(weights[t], picked[t].tolist(), strict=True)) for t in range(5)])
-    torch.testing.assert_close(out, dense, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.double(), dense, atol=2e-3, rtol=1e-4)
     calls.clear()  # one decode token: exactly top_k expert calls
     block.forward(x[:1])
     assert sorted(calls) == sorted(picked[0].tolist()) and all(n == [1] for n in calls.values())
 
 
 def _expert_dense(expert, x: torch.Tensor) -> torch.Tensor:
-    gate, up = (x @ expert.gate_up_proj.weight.t()).chunk(2)
-    return (torch.nn.functional.silu(gate) * up) @ expert.down_proj.weight.t()
+    gate, up = (x @ expert.gate_up_proj.weight.to(x.dtype).t()).chunk(2)
+    return (torch.nn.functional.silu(gate) * up) @ expert.down_proj.weight.to(x.dtype).t()
 
 
 def test_fused_3d_expert_checkpoint_loads_like_the_per_expert_one(family, tmp_path):
