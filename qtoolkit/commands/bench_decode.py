@@ -90,7 +90,6 @@ def _with_breakdowns(report: dict, systems: dict, tokens: int) -> dict:
     # start-up time, as in run(): these pull torch and the engine
     from ..bench.decode import PROMPT
     from ..bench.decode_breakdown import measure_breakdown, roofline_rounds
-    from ..diagnose.run import model_bytes
     from ..kernels.roofline import measure_bandwidth
 
     status("measuring memory bandwidth and the per-token breakdown")
@@ -100,10 +99,11 @@ def _with_breakdowns(report: dict, systems: dict, tokens: int) -> dict:
         if engine is None:
             continue
         result = report["systems"][name]
-        weight_bytes = model_bytes(engine.model).decode_bytes_per_step
+        decode(16)  # the probes evicted the weights from the caches: a token after them took 8 ms against 6
+        breakdown = measure_breakdown(engine, PROMPT, tokens, bandwidth)
+        weight_bytes = breakdown.weight_bytes_per_token
         working_set = measure_bandwidth(size_mb=max(1, weight_bytes >> 20))
         result["roofline"] = roofline_rounds(result["samples"], report["memory_bandwidth_gb_s_per_round"],
                                              weight_bytes, working_set).to_json()
-        decode(16)  # the probes evicted the weights from the caches: a token after them took 8 ms against 6
-        result["breakdown"] = measure_breakdown(engine, PROMPT, tokens, bandwidth).to_json()
+        result["breakdown"] = breakdown.to_json()
     return {**report, "memory_bandwidth_gb_s": round(bandwidth, 2)}

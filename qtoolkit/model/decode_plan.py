@@ -35,18 +35,15 @@ class DecodePlan:
     cache_key: tuple[int, ...]  # data pointers of the KV caches it was bound to
 
 
+def switched_on(variable: str) -> bool:
+    """An A/B switch of the decode loop, on unless the variable is "0": QTOOLKIT_FUSED_DECODE (the C++ loop),
+    QTOOLKIT_ROW_PATH (its single-row path), QTOOLKIT_ADAPTIVE_TEAM (RowTeam in kernels/cpu_decode.cpp: one thread
+    while other processes hold the cores)."""
+    return os.environ.get(variable, "1") != "0"
+
+
 def enabled() -> bool:
-    return os.environ.get("QTOOLKIT_FUSED_DECODE", "1") != "0"
-
-
-def row_path_enabled() -> bool:
-    return os.environ.get("QTOOLKIT_ROW_PATH", "1") != "0"
-
-
-def adaptive_team_enabled() -> bool:
-    """Whether the single-row path drops to one thread while other processes hold the cores (RowTeam in
-    kernels/cpu_decode.cpp); QTOOLKIT_ADAPTIVE_TEAM=0 keeps torch's thread count, for A/B measurements."""
-    return os.environ.get("QTOOLKIT_ADAPTIVE_TEAM", "1") != "0"
+    return switched_on("QTOOLKIT_FUSED_DECODE")
 
 
 def cache_key(model) -> tuple[int, ...]:
@@ -106,6 +103,6 @@ def build_plan(model) -> DecodePlan | None:
     if len(eps) != 1 or len(scales) != 1:
         return None
     plan = ext.DecodePlan(tensors, ints, c.num_heads, c.num_kv_heads, eps.pop(), scales.pop())
-    plan.row_path = plan.row_path and row_path_enabled()
-    plan.adaptive_team = adaptive_team_enabled()
+    plan.row_path = plan.row_path and switched_on("QTOOLKIT_ROW_PATH")
+    plan.adaptive_team = switched_on("QTOOLKIT_ADAPTIVE_TEAM")
     return DecodePlan(plan, min(rows), cache_key(model))
