@@ -130,7 +130,8 @@ def dense_fast_ok(weight: torch.Tensor) -> bool:
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 x [M, K] @ weight [N, K]^T (fp32 or bf16, dense_fast_ok) in the AVX2 GEMV: each weight row read once."""
+    """fp32 x [M, K] @ weight [N, K]^T (fp32 or bf16, dense_fast_ok) in the CPU GEMV: each weight row read once (fp32 weights
+    take AVX-512 rows where the CPU allows them, see kernels/cpu_isa.h)."""
     return engine_ops().dense_gemv(x, weight)
 
 

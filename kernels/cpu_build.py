@@ -2,7 +2,8 @@
 
 Three extensions: the dequant-matmul kernels (kernels/cpu_kernels.cpp), the engine's step ops
 (kernels/cpu_engine_ops.cpp: paged attention, fused residual + RMSNorm, dense GEMV) and the decode layer loop
-(kernels/cpu_decode.cpp, which includes the other two sources and calls their ops from C++).
+(kernels/cpu_decode.cpp, which includes the other two sources and calls their ops from C++). All three include
+kernels/cpu_isa.h, which picks AVX-512 functions at run time; the build itself targets AVX2.
 
 The build goes to ~/.cache/qtoolkit/torch_extensions (override with QTOOLKIT_EXT_DIR) and is reused while the
 source and compiler flags are unchanged. Without gcc, without AVX2, or with QTOOLKIT_NO_CPU_EXT=1 the callers
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 ENGINE_OPS_SOURCE = Path(__file__).with_name("cpu_engine_ops.cpp")
 DECODE_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+ISA_HEADER = Path(__file__).with_name("cpu_isa.h")  # the run-time AVX-512 checks every source includes
 # -ffp-contract=off: scalar a*b - c*d stays two rounded products, as in torch (the intrinsics' FMAs are explicit)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
 
@@ -45,19 +47,19 @@ def cpu_has_avx2() -> bool:
 @functools.cache
 def cpu_kernels():
     """The compiled dequant-matmul extension, or None (reason logged once)."""
-    return _build("qtoolkit_cpu", SOURCE)
+    return _build("qtoolkit_cpu", SOURCE, (ISA_HEADER,))
 
 
 @functools.cache
 def engine_ops():
     """The compiled engine-ops extension, or None (reason logged once)."""
-    return _build("qtoolkit_engine_ops", ENGINE_OPS_SOURCE)
+    return _build("qtoolkit_engine_ops", ENGINE_OPS_SOURCE, (ISA_HEADER,))
 
 
 @functools.cache
 def fused_decode():
     """The compiled decode-loop extension (DecodePlan), or None (reason logged once)."""
-    return _build("qtoolkit_decode", DECODE_SOURCE, (SOURCE, ENGINE_OPS_SOURCE))
+    return _build("qtoolkit_decode", DECODE_SOURCE, (SOURCE, ENGINE_OPS_SOURCE, ISA_HEADER))
 
 
 def build_directory(prefix: str, source: Path, includes: tuple[Path, ...] = ()) -> Path:

@@ -26,6 +26,8 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_isa.h"  // at file scope: the two sources below include it inside their namespaces, a no-op there
+
 #define QTOOLKIT_NO_MODULE
 namespace qk {
 #include "cpu_kernels.cpp"
@@ -46,7 +48,7 @@ struct Linear {
   torch::Tensor operator()(const torch::Tensor& in) const {
     const torch::Tensor x = act >= 0 ? qe::fake_quant_tokens(in, act == 1) : in;
     torch::Tensor y;
-    if (kind == DENSE) y = qe::dense_gemv(x, weight);
+    if (kind == DENSE) y = qe::dense_gemv(x, weight, qe::DENSE_AUTO);
     else if (kind == INT4_R8) y = qk::int4_matmul_r8(x.contiguous(), weight, scales, zeros, group, -1);
     else if (kind == INT8_R8) y = qk::int8_matmul_r8(x.contiguous(), weight, scales, zeros, group, -1);
     else if (kind == INT4) y = qk::int4_matmul(x.contiguous(), weight, scales, zeros, group);
@@ -199,8 +201,7 @@ void gemv_units(const Linear& L, int64_t isa, const float* x, const qk::R8Activa
                 float* y) {
   const int64_t N = L.weight.size(0), K = in_features(L);
   if (L.kind == DENSE) {
-    const float* w = L.weight.data_ptr<float>();
-    for (int64_t n = u0; n < u1; ++n) qe::gemv_row<1>(x, K, w + n * K, y + n, N);
+    qe::gemv_span_f32(qe::DENSE_AUTO, x, 1, K, L.weight.data_ptr<float>(), N, y, u0, u1);
   } else {
     const int8_t* z = L.zeros.numel() ? L.zeros.data_ptr<int8_t>() : nullptr;
     if (L.kind == INT8_R8)

@@ -21,6 +21,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_isa.h"
+
 namespace {
 
 inline float hsum(__m256 v) {
@@ -338,25 +340,75 @@ void gemv_bf16(const float* x, int64_t M, int64_t K, const at::BFloat16* w, int6
   });
 }
 
+// The fp32 rows with AVX-512 F: 16 lanes a load read 11-15% more weight bytes a second than AVX2's 8 on the
+// Xeon VM (measurements/2026-12-02/issue27/intel-xeon/dense-avx512-probe.txt), and the fp32 decode is that read.
+// Its sums differ from the AVX2 rows' in the last bits, so the choice is per weight (dense_avx512), never per
+// batch size: a row decoded alone and in a batch take the same lanes.
+#define QTOOLKIT_AVX512F __attribute__((target("avx2,fma,f16c,avx512f")))
+template <int MB>
+QTOOLKIT_AVX512F inline void gemv_row_512(const float* x, int64_t K, const float* w, float* y, int64_t N) {
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + 8192, _MM_HINT_T0);
+    const __m512 wv = _mm512_loadu_ps(w + k);
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) y[m * N] = _mm512_reduce_add_ps(acc[m]);
+}
+
+// Output rows [n0, n1) of y[M, N] = x[M, K] @ w^T with the AVX-512 rows.
+QTOOLKIT_AVX512F void gemv_span_512(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y,
+                                    int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * K;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) gemv_row_512<4>(x + m * K, K, wr, y + m * N + n, N);
+    for (; m + 2 <= M; m += 2) gemv_row_512<2>(x + m * K, K, wr, y + m * N + n, N);
+    for (; m < M; ++m) gemv_row_512<1>(x + m * K, K, wr, y + m * N + n, N);
+  }
+}
+
+// Output rows [n0, n1) with the AVX2 rows (any weight type load8 reads).
 template <typename W>
-void gemv_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y) {
+void gemv_span(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* wr = w + n * K;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) gemv_row<4>(x + m * K, K, wr, y + m * N + n, N);
+    for (; m + 2 <= M; m += 2) gemv_row<2>(x + m * K, K, wr, y + m * N + n, N);
+    for (; m < M; ++m) gemv_row<1>(x + m * K, K, wr, y + m * N + n, N);
+  }
+}
+
+constexpr int64_t DENSE_AUTO = -1, DENSE_AVX2 = 0, DENSE_AVX512 = 1;
+
+// Whether an fp32 weight with K inputs takes the AVX-512 rows: where kernels/cpu_isa.h allows AVX-512 F and K
+// fills whole 16-lane loads.
+inline bool dense_avx512(int64_t K) { return K % 16 == 0 && qtoolkit_isa::avx512f(); }
+
+// Output rows [n0, n1) of an fp32 weight: isa DENSE_AUTO picks by CPU and K, the others force one (tests).
+inline void gemv_span_f32(int64_t isa, const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y,
+                          int64_t n0, int64_t n1) {
+  if (isa == DENSE_AVX512 || (isa == DENSE_AUTO && dense_avx512(K))) gemv_span_512(x, M, K, w, N, y, n0, n1);
+  else gemv_span<float>(x, M, K, w, N, y, n0, n1);
+}
+
+template <typename W>
+void gemv_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t isa = DENSE_AUTO) {
   // ~256 KiB of weight rows per task: enough to split a 576x576 matrix over both threads
   const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 18) / (K * static_cast<int64_t>(sizeof(W))));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const W* wr = w + n * K;
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) gemv_row<4>(x + m * K, K, wr, y + m * N + n, N);
-      for (; m + 2 <= M; m += 2) gemv_row<2>(x + m * K, K, wr, y + m * N + n, N);
-      for (; m < M; ++m) gemv_row<1>(x + m * K, K, wr, y + m * N + n, N);
-    }
+    if constexpr (std::is_same_v<W, float>) gemv_span_f32(isa, x, M, K, w, N, y, begin, end);
+    else gemv_span<W>(x, M, K, w, N, y, begin, end);
   });
 }
 
 }  // namespace
 
-// x [M, K] fp32 @ w [N, K]^T (fp32 or bf16) -> fp32 [M, N]; K must be a multiple of 8.
-torch::Tensor dense_gemv(torch::Tensor x, torch::Tensor w) {
+// x [M, K] fp32 @ w [N, K]^T (fp32 or bf16) -> fp32 [M, N]; K must be a multiple of 8. isa (fp32 weights): -1
+// picks by CPU (dense_avx512), 0 forces the AVX2 rows, 1 the AVX-512 ones (where allowed and K % 16 == 0).
+torch::Tensor dense_gemv(torch::Tensor x, torch::Tensor w, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "x must be fp32 [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1) && w.size(1) % 8 == 0, "w must be [N, K] with K % 8 == 0");
   auto xc = x.contiguous();
@@ -364,7 +416,9 @@ torch::Tensor dense_gemv(torch::Tensor x, torch::Tensor w) {
   const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
   auto y = torch::empty({M, N}, xc.options());
   if (wc.scalar_type() == torch::kFloat) {
-    gemv_impl<float>(xc.data_ptr<float>(), M, K, wc.data_ptr<float>(), N, y.data_ptr<float>());
+    TORCH_CHECK(isa >= DENSE_AUTO && isa <= DENSE_AVX512, "isa must be -1 (auto), 0 (AVX2) or 1 (AVX-512)");
+    TORCH_CHECK(isa != DENSE_AVX512 || dense_avx512(K), "the AVX-512 rows need AVX-512 F (allowed) and K % 16 == 0");
+    gemv_impl<float>(xc.data_ptr<float>(), M, K, wc.data_ptr<float>(), N, y.data_ptr<float>(), isa);
   } else {
     TORCH_CHECK(wc.scalar_type() == torch::kBFloat16, "w must be fp32 or bf16");
     if (K % 16 == 0) {  // the head of a quantized default model: 24 GB/s here vs 17 for gemv_impl (M = 1)
@@ -647,6 +701,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_scales"), py::arg("slots"), py::arg("H"), py::arg("Hk"), py::arg("fp8"),
         py::arg("k_static") = py::none(), py::arg("v_static") = py::none());
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm, returns (normed, residual)");
-  m.def("dense_gemv", &dense_gemv, "fp32 x fp32/bf16 weight matmul for small batches");
+  m.def("dense_gemv", &dense_gemv, "fp32 x fp32/bf16 weight matmul for small batches", py::arg("x"), py::arg("w"),
+        py::arg("isa") = -1);
+  m.def("dense_avx512", &dense_avx512, "whether an fp32 weight with K inputs takes the AVX-512 GEMV rows");
 }
 #endif

@@ -7,14 +7,14 @@
 // 2b+1 in its high nibble, offset by +8), so no repack is needed: the activations are permuted instead.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <cpuid.h>
 #include <immintrin.h>
-#include <strings.h>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include "cpu_isa.h"
 
 namespace {
 
@@ -629,28 +629,8 @@ QTOOLKIT_VNNI void int4_r8_group_vnni(const uint8_t* w, const S* s, const int8_t
 
 constexpr int64_t R8_AVX2 = 0, R8_VNNI = 1;
 
-// The OS saves the AVX-512 state (XCR0 opmask, ZMM_Hi256, Hi16_ZMM): a VM can hide it from a CPU that has it.
-bool os_saves_zmm() {
-  unsigned eax, ebx, ecx, edx;
-  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & bit_OSXSAVE)) return false;
-  unsigned lo, hi;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  return (lo & 0xE6) == 0xE6;
-}
-
-// AVX-512 VNNI where the CPU reports it (with VL and BW) and the OS saves its state, unless ATEN_CPU_CAPABILITY
-// holds torch to AVX2 or less (as it holds torch's own kernels): one switch for both.
-int64_t r8_auto_isa() {
-  static const int64_t isa = [] {
-    __builtin_cpu_init();
-    const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
-    const bool capped = cap && (strcasecmp(cap, "default") == 0 || strcasecmp(cap, "avx2") == 0);
-    const bool vnni = !capped && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-                      __builtin_cpu_supports("avx512bw") && os_saves_zmm();
-    return vnni ? R8_VNNI : R8_AVX2;
-  }();
-  return isa;
-}
+// AVX-512 VNNI where kernels/cpu_isa.h allows it (CPU, OS and ATEN_CPU_CAPABILITY), else AVX2.
+int64_t r8_auto_isa() { return qtoolkit_isa::avx512_vnni() ? R8_VNNI : R8_AVX2; }
 
 template <int MB, typename S>
 inline void int4_r8_group(int64_t isa, const uint8_t* w, const S* s, const int8_t* z, int64_t K, int64_t bpg,

@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from qtoolkit.kernels.cpu_build import ENGINE_OPS_SOURCE, build_directory, engine_ops
+from qtoolkit.kernels.cpu_build import ENGINE_OPS_SOURCE, ISA_HEADER, build_directory, engine_ops
 
 LOAD = "from qtoolkit.kernels.cpu_build import engine_ops; print(engine_ops() is not None)"
 
@@ -17,7 +17,7 @@ LOAD = "from qtoolkit.kernels.cpu_build import engine_ops; print(engine_ops() is
 def built_dir():
     if engine_ops() is None:
         pytest.skip("the AVX2 engine ops are not built on this machine")
-    return build_directory("qtoolkit_engine_ops", ENGINE_OPS_SOURCE)
+    return build_directory("qtoolkit_engine_ops", ENGINE_OPS_SOURCE, (ISA_HEADER,))
 
 
 def test_a_killed_builds_lock_file_does_not_hang_the_next_load(built_dir):

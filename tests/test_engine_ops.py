@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import qtoolkit.kernels.dispatch as dispatch_mod
 import torch
@@ -141,6 +146,48 @@ def test_dense_linear_paths_match_matmul(wdtype, m, k):
     got = dispatch.cpu_dense(x, w)
     assert got.shape == (m, 40) and got.is_contiguous()
     torch.testing.assert_close(got, x @ w.float().t(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("k", [48, 576, 1536])
+def test_dense_rows_take_the_same_lanes_alone_and_in_a_batch(k):
+    """The fp32 GEMV's AVX-512 rows sum in other lanes than the AVX2 ones, so the choice is per weight: a row
+    decoded alone equals its row in a batch of any size, bit for bit, under either instruction set."""
+    g = torch.Generator().manual_seed(k)
+    w, x = torch.randn(72, k, generator=g), torch.randn(9, k, generator=g)
+    isas = [0, 1] if ops.dense_avx512(k) else [0]
+    results = {}
+    for isa in isas:
+        batch = ops.dense_gemv(x, w, isa)
+        for m in range(9):
+            assert torch.equal(ops.dense_gemv(x[m:m + 1], w, isa), batch[m:m + 1])
+        torch.testing.assert_close(batch, (x.double() @ w.double().t()).float(), atol=1e-4, rtol=1e-5)
+        results[isa] = batch
+    assert torch.equal(ops.dense_gemv(x, w), results[isas[-1]])  # auto takes AVX-512 wherever it is allowed
+
+
+def test_dense_avx512_rows_refused_where_they_cannot_run():
+    with pytest.raises(RuntimeError, match="K % 16 == 0"):
+        ops.dense_gemv(torch.randn(1, 24), torch.randn(8, 24), 1)
+    with pytest.raises(RuntimeError, match="isa must be"):
+        ops.dense_gemv(torch.randn(1, 48), torch.randn(8, 48), 2)
+    assert not ops.dense_avx512(24)
+
+
+@pytest.mark.parametrize("cap", [None, "avx2", "default"])
+def test_dense_isa_is_chosen_at_run_time(cap):
+    """AVX-512 rows only where the CPU reports AVX-512 F, the OS saves its state (Linux then lists the flag) and
+    ATEN_CPU_CAPABILITY does not hold torch to AVX2 or less: the same switch as the INT4 kernels' VNNI path."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo")
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    if cap:
+        env["ATEN_CPU_CAPABILITY"] = cap
+    probe = ("from qtoolkit.kernels.cpu_build import engine_ops; e = engine_ops(); "
+             "print(e is not None and e.dense_avx512(576))")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str("avx512f" in flags and cap is None)]
 
 
 def test_model_logits_same_with_and_without_ops(tiny_model_dir, monkeypatch):
