@@ -58,10 +58,20 @@ struct Linear {
   }
 };
 
+// kv codes of qtoolkit/model/decode_plan.py: the KV cache as the model holds it
+constexpr int64_t KV_FP32 = 0, KV_FP8 = 1, KV_INT8 = 2;
+
 struct Layer {
   torch::Tensor input_norm, post_attn_norm, k_cache, v_cache;
+  // a quantized cache (kv FP8 E4M3 bytes as uint8, or int8): a fp32 scale per slot and KV head, and the
+  // checkpoint's calibrated scales [Hk] when the cache uses them (empty otherwise: each token gets its own)
+  torch::Tensor k_scales, v_scales, k_static, v_static;
   Linear qkv, o, gate_up, down;
-  int64_t rope = 0, window = 0;
+  int64_t rope = 0, window = 0, kv = KV_FP32;
+
+  // the calibrated scales as rope_and_cache_quant takes them
+  c10::optional<torch::Tensor> k_fixed() const { return k_static.numel() ? c10::optional<torch::Tensor>(k_static) : c10::nullopt; }
+  c10::optional<torch::Tensor> v_fixed() const { return v_static.numel() ? c10::optional<torch::Tensor>(v_static) : c10::nullopt; }
 };
 
 // ---- the single-row path (a batch-1 decode step) --------------------------------------------------------------
@@ -222,7 +232,7 @@ void gemv_units(const Linear& L, int64_t isa, const float* x, const qk::R8Activa
 // One thread's buffers of the single-row path.
 struct RowScratch {
   qk::R8Activations acts;
-  std::vector<float> residual, normed, q, attend_buf;
+  std::vector<float> residual, normed, q, attend_buf, rotated;
 };
 
 using Clock = std::chrono::steady_clock;
@@ -230,11 +240,12 @@ using Clock = std::chrono::steady_clock;
 }  // namespace
 
 // Per-layer tensors, in this order: input_norm, post_attn_norm, k_cache, v_cache, then for qkv, o, gate_up, down:
-// weight, scales, zeros, bias (any tensor when the flag says none). Per-layer ints: rope index, window (0 = none),
-// then for each Linear: kind, group, has_bias, act.
+// weight, scales, zeros, bias (any tensor when the flag says none), then k_scales, v_scales, k_static, v_static
+// (empty when the cache is fp32 / has no calibrated scales). Per-layer ints: rope index, window (0 = none), then
+// for each Linear: kind, group, has_bias, act; then the cache's kv code.
 class DecodePlan {
  public:
-  static constexpr int64_t TENSORS = 4 + 4 * 4, INTS = 2 + 4 * 4;
+  static constexpr int64_t TENSORS = 4 + 4 * 4 + 4, INTS = 2 + 4 * 4 + 1;
 
   DecodePlan(const std::vector<torch::Tensor>& tensors, const std::vector<int64_t>& ints, int64_t heads,
              int64_t kv_heads, double eps, double scale)
@@ -261,13 +272,20 @@ class DecodePlan {
         if (n[4 + 4 * j]) lins[j]->bias = t[7 + 4 * j];
         lins[j]->act = n[5 + 4 * j];
       }
+      layer.k_scales = t[20];
+      layer.v_scales = t[21];
+      layer.k_static = t[22];
+      layer.v_static = t[23];
+      layer.kv = n[18];
+      TORCH_CHECK(layer.kv >= KV_FP32 && layer.kv <= KV_INT8, "kv must be 0 (fp32), 1 (fp8) or 2 (int8)");
       layers_.push_back(std::move(layer));
     }
     row_path_ = !layers_.empty();
     for (const Layer& L : layers_) {
       for (const Linear* lin : {&L.qkv, &L.o, &L.gate_up, &L.down}) row_path_ = row_path_ && row_path_ok(*lin);
-      for (const torch::Tensor* n : {&L.input_norm, &L.post_attn_norm, &L.k_cache, &L.v_cache})
+      for (const torch::Tensor* n : {&L.input_norm, &L.post_attn_norm})
         row_path_ = row_path_ && n->scalar_type() == torch::kFloat && n->is_contiguous();
+      row_path_ = row_path_ && row_cache_ok(L);
       // the gate and up halves of gate_up must split at a unit boundary, so a thread's gate rows meet its up rows
       row_path_ = row_path_ && units(L.gate_up) % 2 == 0 &&
                   units(L.gate_up) * unit_rows(L.gate_up) == L.gate_up.weight.size(0);
@@ -296,9 +314,18 @@ class DecodePlan {
       auto t1 = Clock::now();
       auto qkv = L.qkv(normed[0]);
       auto t2 = Clock::now();
-      auto q = qe::rope_and_cache(qkv.contiguous(), cos[L.rope], sin[L.rope], L.k_cache, L.v_cache, slots, H_, Hk_);
-      auto a = qe::paged_attention(q, L.k_cache, L.v_cache, block_table, row_seq, row_last, scale_, L.window,
-                                   c10::nullopt, c10::nullopt);  // the plan runs fp32 caches only
+      torch::Tensor a;
+      if (L.kv == KV_FP32) {
+        auto q = qe::rope_and_cache(qkv.contiguous(), cos[L.rope], sin[L.rope], L.k_cache, L.v_cache, slots, H_, Hk_);
+        a = qe::paged_attention(q, L.k_cache, L.v_cache, block_table, row_seq, row_last, scale_, L.window,
+                                c10::nullopt, c10::nullopt);
+      } else {
+        auto q = qe::rope_and_cache_quant(qkv.contiguous(), cos[L.rope], sin[L.rope], L.k_cache, L.v_cache,
+                                          L.k_scales, L.v_scales, slots, H_, Hk_, L.kv == KV_FP8, L.k_fixed(),
+                                          L.v_fixed());
+        a = qe::paged_attention(q, L.k_cache, L.v_cache, block_table, row_seq, row_last, scale_, L.window,
+                                L.k_scales, L.v_scales);
+      }
       auto t3 = Clock::now();
       auto o = L.o(a);
       auto t4 = Clock::now();
@@ -368,6 +395,7 @@ class DecodePlan {
       r.residual.resize(hidden);
       r.normed.resize(hidden);
       r.q.resize(H_ * D);
+      r.rotated.resize(D);
     }
     const auto start = Clock::now();
 #pragma omp parallel num_threads(threads)
@@ -402,19 +430,63 @@ class DecodePlan {
     const float* c = st.cos + L.rope * half;
     const float* sn = st.sin + L.rope * half;
     for (int64_t h = h0; h < h1; ++h) qe::rope_head(qkv_.data() + h * D, c, sn, half, r.q.data() + h * D);
-    float* kc = L.k_cache.data_ptr<float>();
-    float* vc = L.v_cache.data_ptr<float>();
-    if (t == 0)
-      for (int64_t h = 0; h < Hk_; ++h) {
-        qe::rope_head(qkv_.data() + (H_ + h) * D, c, sn, half, kc + (st.slot * Hk_ + h) * D);
-        std::copy(qkv_.data() + (H_ + Hk_ + h) * D, qkv_.data() + (H_ + Hk_ + h + 1) * D,
-                  vc + (st.slot * Hk_ + h) * D);
-      }
+    if (t == 0) row_append(L, st.slot, c, sn, r);
     barrier_.wait();
     const int64_t first = L.window > 0 ? std::max<int64_t>(0, st.last - L.window + 1) : 0;
-    for (int64_t h = h0; h < h1; ++h)  // one head per call: the same bits as the batched path's G heads per call
-      qe::attend<float, float>(r.q.data() + h * D, D, kc, vc, nullptr, nullptr, st.table, first, st.last, bs, Hk_,
-                               h / G, D, 1, static_cast<float>(scale_), attn_.data() + h * D, r.attend_buf);
+    const float* ks = L.kv == KV_FP32 ? nullptr : L.k_scales.data_ptr<float>();
+    const float* vs = L.kv == KV_FP32 ? nullptr : L.v_scales.data_ptr<float>();
+    const float sc = static_cast<float>(scale_);
+    for (int64_t h = h0; h < h1; ++h) {  // one head per call: the same bits as the batched path's G heads per call
+      float* out = attn_.data() + h * D;
+      const float* q = r.q.data() + h * D;
+      if (L.kv == KV_FP8)
+        qe::attend<float, uint8_t>(q, D, L.k_cache.data_ptr<uint8_t>(), L.v_cache.data_ptr<uint8_t>(), ks, vs,
+                                   st.table, first, st.last, bs, Hk_, h / G, D, 1, sc, out, r.attend_buf);
+      else if (L.kv == KV_INT8)
+        qe::attend<float, int8_t>(q, D, L.k_cache.data_ptr<int8_t>(), L.v_cache.data_ptr<int8_t>(), ks, vs,
+                                  st.table, first, st.last, bs, Hk_, h / G, D, 1, sc, out, r.attend_buf);
+      else
+        qe::attend<float, float>(q, D, L.k_cache.data_ptr<float>(), L.v_cache.data_ptr<float>(), nullptr, nullptr,
+                                 st.table, first, st.last, bs, Hk_, h / G, D, 1, sc, out, r.attend_buf);
+    }
+  }
+
+  // The row's keys (rotated) and values into the cache at `slot`: copied into an fp32 cache, or quantized with
+  // rope_and_cache_quant's operations (quantize_head, after the key is rotated into fp32), so the same bytes.
+  void row_append(const Layer& L, int64_t slot, const float* c, const float* sn, RowScratch& r) {
+    const int64_t D = L.k_cache.size(3), half = D / 2;
+    for (int64_t h = 0; h < Hk_; ++h) {
+      const float* k = qkv_.data() + (H_ + h) * D;
+      const float* v = qkv_.data() + (H_ + Hk_ + h) * D;
+      const int64_t at = slot * Hk_ + h;
+      if (L.kv == KV_FP32) {
+        qe::rope_head(k, c, sn, half, L.k_cache.data_ptr<float>() + at * D);
+        std::copy(v, v + D, L.v_cache.data_ptr<float>() + at * D);
+        continue;
+      }
+      const bool fp8 = L.kv == KV_FP8;
+      auto* kc = static_cast<uint8_t*>(L.k_cache.data_ptr());
+      auto* vc = static_cast<uint8_t*>(L.v_cache.data_ptr());
+      const float kfix = L.k_static.numel() ? L.k_static.data_ptr<float>()[h] : 0.f;
+      const float vfix = L.v_static.numel() ? L.v_static.data_ptr<float>()[h] : 0.f;
+      qe::rope_head(k, c, sn, half, r.rotated.data());
+      qe::quantize_head(r.rotated.data(), D, fp8, kfix, kc + at * D, L.k_scales.data_ptr<float>() + at);
+      qe::quantize_head(v, D, fp8, vfix, vc + at * D, L.v_scales.data_ptr<float>() + at);
+    }
+  }
+
+  // The caches the single-row path reads and writes in place: contiguous fp32, or quantized with contiguous fp32
+  // scales (and fp32 calibrated scales, one per KV head), head_dim within attend's widening buffer.
+  bool row_cache_ok(const Layer& L) const {
+    const auto want = L.kv == KV_FP32 ? torch::kFloat : L.kv == KV_FP8 ? torch::kByte : torch::kChar;
+    bool ok = L.k_cache.scalar_type() == want && L.v_cache.scalar_type() == want && L.k_cache.is_contiguous() &&
+              L.v_cache.is_contiguous() && L.k_cache.dim() == 4;
+    if (!ok || L.kv == KV_FP32) return ok;
+    for (const torch::Tensor* s : {&L.k_scales, &L.v_scales})
+      ok = ok && s->scalar_type() == torch::kFloat && s->is_contiguous() && s->numel() * L.k_cache.size(3) == L.k_cache.numel();
+    for (const torch::Tensor* s : {&L.k_static, &L.v_static})
+      ok = ok && (s->numel() == 0 || (s->scalar_type() == torch::kFloat && s->is_contiguous() && s->numel() == Hk_));
+    return ok && L.k_cache.size(3) <= 512;
   }
 
   // add + RMSNorm of the row into this thread's copy; layer 0 (no residual yet) takes x as the residual, and

@@ -87,6 +87,25 @@ def test_cli_rejects_unknown_peer(tmp_path, capsys):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_cli_decodes_each_checkpoint_with_each_kv_cache(tiny_model_dir, tmp_path):
+    out = tmp_path / "kv.json"
+    assert main(["bench", "decode", "--model", str(tiny_model_dir), "--kv-cache-dtype", "auto,fp8", "--tokens", "6",
+                 "--rounds", "1", "--output", str(out)]) == 0
+    systems = json.loads(out.read_text())["systems"]
+    name = f"engine:{tiny_model_dir.name}"
+    assert set(systems) == {name, f"{name}:kv-fp8"}
+    assert [systems[n]["kv_cache_dtype"] for n in (name, f"{name}:kv-fp8")] == ["auto", "fp8"]
+    # the quantized cache decodes in the C++ layer loop too (qtoolkit/model/decode_plan.py)
+    assert {s["breakdown"]["layer_loop"] for s in systems.values()} == {"c++"}
+
+
+@pytest.mark.parametrize("value", ["fp16", "", "auto,fp4"])
+def test_cli_rejects_an_unknown_kv_cache(tmp_path, capsys, value):
+    assert main(["bench", "decode", "--kv-cache-dtype", value, "--output", str(tmp_path / "x.json")]) == 2
+    assert "--kv-cache-dtype takes auto, fp8, int8" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
 def test_cli_int4_engine_against_llama_cpp(tmp_path):

@@ -14,6 +14,7 @@ from qtoolkit.engine import Engine, SamplingParams
 from qtoolkit.engine.model_runner import Chunk, ModelRunner
 from qtoolkit.engine.speculative.self_draft import quantize_copy
 from qtoolkit.model import decode_plan
+from qtoolkit.model.kv_quant import StaticKVScales
 from qtoolkit.model.loader import load_model
 from qtoolkit.model.sources import resolve_model
 
@@ -61,19 +62,30 @@ def _steps(runner: ModelRunner) -> list[torch.Tensor]:
     return [*logits, out.logits, *out.aux, one.logits, *one.aux]
 
 
-@pytest.mark.parametrize(("kind", "row_path"), [("fp32", True), ("int4", True), ("int4-bf16", True), ("int4", False),
-                                              ("fp8", False)])
-def test_plan_logits_identical_to_python_loop(tiny_model_dir, kind, row_path, monkeypatch):
-    """fp32 and INT4 single rows take the one-parallel-region path (fp8 has none); QTOOLKIT_ROW_PATH=0 sends them
-    through the batched path: every way gives the Python loop's bits."""
+@pytest.mark.parametrize(("kind", "row_path", "kv"), [
+    ("fp32", True, "auto"), ("int4", True, "auto"), ("int4-bf16", True, "auto"), ("int4", False, "auto"),
+    ("fp8", False, "auto"), ("int4", True, "fp8"), ("fp32", True, "int8"), ("int4", False, "fp8"),
+    ("int4", True, "fp8-calibrated"), ("int4", False, "int8-calibrated")])
+def test_plan_logits_identical_to_python_loop(tiny_model_dir, kind, row_path, kv, monkeypatch):
+    """fp32 and INT4 single rows take the one-parallel-region path (fp8 weights have none); QTOOLKIT_ROW_PATH=0
+    sends them through the batched path: every way gives the Python loop's bits, over an fp32 KV cache and over
+    FP8 / int8 caches with per-token or calibrated scales."""
     model = _model(tiny_model_dir, kind)
+    kv_dtype = kv.removesuffix("-calibrated")
+    if kv.endswith("-calibrated"):  # a checkpoint's k_scale / v_scale for that cache (one per KV head)
+        g = torch.Generator().manual_seed(1)
+        for layer in model.layers:
+            hk = layer.attn.num_kv_heads
+            layer.attn.kv_calibrated = StaticKVScales(0.01 + torch.rand(hk, generator=g) / 50,
+                                                      0.01 + torch.rand(hk, generator=g) / 50, kv_dtype)
     monkeypatch.setenv("QTOOLKIT_FUSED_DECODE", "0")
-    slow = _steps(ModelRunner(model, 16, BLOCK))
+    slow = _steps(ModelRunner(model, 16, BLOCK, kv_dtype))
     assert model.decode_plan is False  # turned off: the Python loop ran every step
     monkeypatch.setenv("QTOOLKIT_FUSED_DECODE", "1")
     monkeypatch.setenv("QTOOLKIT_ROW_PATH", "1" if row_path else "0")
     model.decode_plan = None
-    runner = ModelRunner(model, 16, BLOCK)
+    runner = ModelRunner(model, 16, BLOCK, kv_dtype)
+    assert (model.layers[0].attn.kv_static is not None) == kv.endswith("-calibrated")
     fast = _steps(runner)
     plan = model.decode_plan
     assert isinstance(plan, decode_plan.DecodePlan) and plan.plan.num_layers == model.config.num_layers
@@ -106,14 +118,15 @@ def test_unsupported_shapes_keep_the_python_loop(tiny_model_dir):
     assert decode_plan.build_plan(model) is None
 
 
-def test_engine_generates_the_same_tokens_with_and_without_the_plan(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_engine_generates_the_same_tokens_with_and_without_the_plan(tiny_model_dir, kv, monkeypatch):
     prompts = ["def add(a, b):", "The results show that", "x"]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    fast = Engine(str(tiny_model_dir), kv_cache_memory="4MiB", block_size=BLOCK)
+    fast = Engine(str(tiny_model_dir), kv_cache_memory="4MiB", block_size=BLOCK, kv_cache_dtype=kv)
     fast_out = [o.token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
     assert isinstance(fast.model.decode_plan, decode_plan.DecodePlan)
     monkeypatch.setenv("QTOOLKIT_FUSED_DECODE", "0")
-    slow = Engine(str(tiny_model_dir), kv_cache_memory="4MiB", block_size=BLOCK)
+    slow = Engine(str(tiny_model_dir), kv_cache_memory="4MiB", block_size=BLOCK, kv_cache_dtype=kv)
     assert [o.token_ids for o in slow.generate(prompts, params, use_tqdm=False)] == fast_out
     assert slow.model.decode_plan is False
 

@@ -30,8 +30,8 @@ PROMPT = 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number
 Decoder = Callable[[int], list[float]]
 
 
-def engine_decoder(model: str, dtype: str, threads: int) -> tuple[Decoder, dict[str, Any]]:
-    engine = Engine(model, EngineConfig(dtype=dtype, kv_cache_memory="256MiB"))
+def engine_decoder(model: str, dtype: str, threads: int, kv_cache_dtype: str = "auto") -> tuple[Decoder, dict[str, Any]]:
+    engine = Engine(model, EngineConfig(dtype=dtype, kv_cache_memory="256MiB", kv_cache_dtype=kv_cache_dtype))
 
     def run(n: int) -> list[float]:
         engine.add_request("decode-bench", PROMPT, SamplingParams(max_tokens=n, ignore_eos=True))
@@ -43,7 +43,7 @@ def engine_decoder(model: str, dtype: str, threads: int) -> tuple[Decoder, dict[
 
     run.engine = engine  # decode_breakdown times this engine's steps after the rounds
     return run, {"model": engine.source.describe(), "dtype": str(engine.model.dtype).removeprefix("torch."),
-                 "threads": threads}
+                 "kv_cache_dtype": kv_cache_dtype, "threads": threads}
 
 
 def llama_cpp_decoder(gguf: Path, threads: int) -> tuple[Decoder, dict[str, Any]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..engine.config import KV_CACHE_DTYPES
 from ..errors import QToolError
 from ..io import write_json
 from ..progress import bar, status
@@ -16,6 +17,7 @@ HELP = ("batch-1 greedy decode tok/s of one or more checkpoints in the engine ag
 EXAMPLES = """\
 examples:
   qtool bench decode --model default --model out/int4 --compare llama.cpp,hf --output decode.json
+  qtool bench decode --model out/int4 --kv-cache-dtype auto,fp8 --rounds 5 --output kv.json
 """
 
 
@@ -27,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=128, help="tokens decoded per round (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
     p.add_argument("--dtype", default="auto", help="engine and HF precision: auto, float32, bfloat16")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,fp8,int8}[,...]",
+                   help="the engine's KV cache; comma-separated to decode each checkpoint with each cache, as "
+                        "systems `engine:NAME` (auto) and `engine:NAME:kv-fp8` / `:kv-int8` (default: auto)")
     p.add_argument("--threads", type=int, default=None, help="threads for every system (default: torch's choice)")
     p.add_argument("--no-breakdown", action="store_true",
                    help="skip the per-token split (GEMV / attention / other ops / host) and the roofline fraction")
@@ -49,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
         raise QToolError(f"--compare takes llama.cpp and/or hf, got {', '.join(bad)}")
     if args.tokens < 2 or args.rounds < 1:
         raise QToolError("--tokens must be >= 2 and --rounds >= 1")
+    caches = list(dict.fromkeys(c.strip() for c in args.kv_cache_dtype.split(",") if c.strip()))
+    if not caches or any(c not in KV_CACHE_DTYPES for c in caches):
+        raise QToolError(f"--kv-cache-dtype takes {', '.join(KV_CACHE_DTYPES)} (comma-separated), got "
+                         f"{args.kv_cache_dtype!r}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -61,9 +70,10 @@ def run(args: argparse.Namespace) -> int:
         status("starting llama.cpp in a child process")
         systems["llama.cpp"] = llama_cpp_decoder(gguf, threads)
     for spec in models:
-        status(f"loading {spec} into the engine")
-        name = f"engine:{resolve_model(spec).name}"
-        systems[name] = engine_decoder(spec, args.dtype, threads)
+        for cache in caches:
+            status(f"loading {spec} into the engine" + ("" if cache == "auto" else f" with a {cache} KV cache"))
+            name = f"engine:{resolve_model(spec).name}" + ("" if cache == "auto" else f":kv-{cache}")
+            systems[name] = engine_decoder(spec, args.dtype, threads, cache)
     if "hf" in peers:
         systems["hf"] = hf_decoder(resolve_model(models[0]).path, args.dtype)
     with bar(total=args.rounds * len(systems), desc="decode rounds", unit="run") as progress:
@@ -72,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
                                   probe=None if args.no_breakdown else measure_bandwidth)
     if not args.no_breakdown:
         report = _with_breakdowns(report, systems, args.tokens)
-    report = {**provenance(command="bench decode", models=models, compare=peers, threads=threads), **report}
+    report = {**provenance(command="bench decode", models=models, compare=peers, threads=threads,
+                           kv_cache_dtypes=caches), **report}
     print(format_table(report))
     for name, r in report["systems"].items():
         if "breakdown" in r:

@@ -5,8 +5,9 @@ top of the kernels. A plan binds each layer's norms, KV cache and Linear kernels
 kernels/dispatch.gemv_spec, the one dispatch point) once, and runs all layers in C++ with the GIL released.
 The plan calls the same kernels in the same order as the Python loop, so its outputs are identical.
 
-A model gets a plan only when every layer has the plain LLaMA shape the loop implements: fp32 activations and
-cache on the CPU, pre-norm RMSNorm (not Gemma's 1 + w), no q/k norm, no sandwich norms, a dense SwiGLU MLP, and
+A model gets a plan only when every layer has the plain LLaMA shape the loop implements: fp32 activations on the
+CPU, an fp32 KV cache or a quantized one (FP8 E4M3 / int8 with a scale per token and KV head, calibrated scales
+included: the quantized caches' ops, rope_and_cache_quant and the scaled paged attention), pre-norm RMSNorm (not Gemma's 1 + w), no q/k norm, no sandwich norms, a dense SwiGLU MLP, and
 every Linear a single AVX2 kernel call. Anything else (and prefill, and rows beyond the GEMV limits) keeps the
 Python loop. EAGLE-3's taps (the residual stream entering chosen layers) are taken inside the C++ loop. QTOOLKIT_FUSED_DECODE=0 turns plans off (for A/B measurements).
 
@@ -46,9 +47,18 @@ def enabled() -> bool:
     return switched_on("QTOOLKIT_FUSED_DECODE")
 
 
+# what the norms are asked about: the plan's activations are fp32 (build_plan checks the model's dtype)
+FP32_ACTIVATIONS = torch.empty(0)
+# the cache as kernels/cpu_decode.cpp's kv codes name it
+KV_CODES = {None: 0, "fp8": 1, "int8": 2}
+
+
 def cache_key(model) -> tuple[int, ...]:
+    """What a plan is bound to: the caches, their scales, and the calibrated scales a runner chose for them."""
     first = model.layers[0].attn
-    return first.k_cache.data_ptr(), first.v_cache.data_ptr()
+    static = first.kv_static
+    return (first.k_cache.data_ptr(), first.v_cache.data_ptr(), first.k_scales.data_ptr(),
+            0 if static is None else static.k.data_ptr())
 
 
 def _linear_parts(spec: GemvSpec) -> tuple[list[torch.Tensor], list[int]]:
@@ -62,10 +72,10 @@ def _layer_parts(model, i: int) -> tuple[list[torch.Tensor], list[int], int] | N
     layer = model.layers[i]
     attn, mlp = layer.attn, layer.mlp
     if (attn.q_norm is not None or layer.attn_out_norm is not None or layer.mlp_out_norm is not None
-            or not hasattr(mlp, "gate_up_proj") or mlp.act is not None or attn.k_cache.dtype != torch.float32
-            or attn.k_cache.is_cuda):
+            or not hasattr(mlp, "gate_up_proj") or mlp.act is not None or attn.kv_kind not in KV_CODES
+            or (attn.kv_kind is None and attn.k_cache.dtype != torch.float32) or attn.k_cache.is_cuda):
         return None
-    norms = [n.fused_weight(attn.k_cache) for n in (layer.input_norm, layer.post_attn_norm)]
+    norms = [n.fused_weight(FP32_ACTIVATIONS) for n in (layer.input_norm, layer.post_attn_norm)]
     if any(w is None or w is not n.weight for w, n in zip(norms, (layer.input_norm, layer.post_attn_norm),
                                                           strict=True)):
         return None  # Gemma's (1 + w) norms stay in Python
@@ -78,7 +88,19 @@ def _layer_parts(model, i: int) -> tuple[list[torch.Tensor], list[int], int] | N
         t, n = _linear_parts(spec)
         tensors += t
         ints += n
+    tensors += _cache_scales(attn)
+    ints.append(KV_CODES[attn.kv_kind])
     return tensors, ints, min(s.max_rows for s in specs)
+
+
+def _cache_scales(attn) -> list[torch.Tensor]:
+    """k_scales, v_scales, k_static, v_static of a layer's cache (empty where it has none)."""
+    none = torch.empty(0)
+    if attn.kv_kind is None:
+        return [none] * 4
+    static = attn.kv_static
+    fixed = [none, none] if static is None else [static.k.float().contiguous(), static.v.float().contiguous()]
+    return [attn.k_scales, attn.v_scales, *fixed]
 
 
 def build_plan(model) -> DecodePlan | None:
