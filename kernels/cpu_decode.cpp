@@ -15,6 +15,7 @@
 #include <cpuid.h>
 #include <immintrin.h>
 #include <strings.h>
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -423,10 +424,15 @@ class DecodePlan {
   };
 
   // RoPE on this thread's query heads (thread 0 appends the row's keys and values to the cache), then attention
-  // over those heads; the caller's barrier follows.
+  // over those heads; the caller's barrier follows. A thread takes whole KV heads (their G query heads in one
+  // attend call, which reads and widens each key and value row once for all G) when there are enough for every
+  // thread: at a 2k-token context an FP8 cache's attention took 9.6 ms a token with single query heads spread over
+  // the threads and 7.2 with whole KV heads (measurements/2026-12-02/issue27/kv-plan/README.md).
   void row_attention(const Layer& L, const RowStep& st, RowScratch& r, int t, int P) {
     const int64_t D = L.k_cache.size(3), half = D / 2, bs = L.k_cache.size(1), G = H_ / Hk_;
-    const auto [h0, h1] = share(H_, t, P);
+    const int64_t unit = Hk_ >= P ? G : 1;
+    const auto [u0, u1] = share(H_ / unit, t, P);
+    const int64_t h0 = u0 * unit, h1 = u1 * unit;
     const float* c = st.cos + L.rope * half;
     const float* sn = st.sin + L.rope * half;
     for (int64_t h = h0; h < h1; ++h) qe::rope_head(qkv_.data() + h * D, c, sn, half, r.q.data() + h * D);
@@ -436,18 +442,20 @@ class DecodePlan {
     const float* ks = L.kv == KV_FP32 ? nullptr : L.k_scales.data_ptr<float>();
     const float* vs = L.kv == KV_FP32 ? nullptr : L.v_scales.data_ptr<float>();
     const float sc = static_cast<float>(scale_);
-    for (int64_t h = h0; h < h1; ++h) {  // one head per call: the same bits as the batched path's G heads per call
+    // `unit` heads per call: a head's result does not depend on how many share the call (attend), so these are
+    // the batched path's bits
+    for (int64_t h = h0; h < h1; h += unit) {
       float* out = attn_.data() + h * D;
       const float* q = r.q.data() + h * D;
       if (L.kv == KV_FP8)
         qe::attend<float, uint8_t>(q, D, L.k_cache.data_ptr<uint8_t>(), L.v_cache.data_ptr<uint8_t>(), ks, vs,
-                                   st.table, first, st.last, bs, Hk_, h / G, D, 1, sc, out, r.attend_buf);
+                                   st.table, first, st.last, bs, Hk_, h / G, D, unit, sc, out, r.attend_buf);
       else if (L.kv == KV_INT8)
         qe::attend<float, int8_t>(q, D, L.k_cache.data_ptr<int8_t>(), L.v_cache.data_ptr<int8_t>(), ks, vs,
-                                  st.table, first, st.last, bs, Hk_, h / G, D, 1, sc, out, r.attend_buf);
+                                  st.table, first, st.last, bs, Hk_, h / G, D, unit, sc, out, r.attend_buf);
       else
         qe::attend<float, float>(q, D, L.k_cache.data_ptr<float>(), L.v_cache.data_ptr<float>(), nullptr, nullptr,
-                                 st.table, first, st.last, bs, Hk_, h / G, D, 1, sc, out, r.attend_buf);
+                                 st.table, first, st.last, bs, Hk_, h / G, D, unit, sc, out, r.attend_buf);
     }
   }
 

@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -86,60 +87,196 @@ inline void axpy(float w, const T* x, float* y, int64_t D) {  // y += w * x
   for (; i < D; ++i) y[i] += w * to_f(x[i]);
 }
 
+// [sum a[0], ..., sum a[7]]: the eight vectors' lane sums as one vector (a horizontal-add tree).
+inline __m256 hsum8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Sixteen FP8 E4M3 bytes as fp32 values times 2^-8 with F16C: an E4M3 byte's sign, exponent and mantissa bits
+// moved into an fp16's places make that fp16 its value times 2^-8 (exponent biases 7 and 15), normals and
+// subnormals alike, in 3 integer ops where load8's exact widening takes 11 per 8 bytes. Callers multiply the
+// scale by 2^8: a power of two, so every product and sum is the exact widening's times 2^-8 and rounds the same.
+constexpr float E4M3_SHIFTED = 256.f;
+inline void load16_e4m3_shifted(const uint8_t* p, __m256& lo, __m256& hi) {
+  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7));
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+// Whether attend reads an FP8 cache of head size D through load16_e4m3_shifted (one choice for K and V).
+template <typename C>
+constexpr bool e4m3_shifted(int64_t D) { return std::is_same_v<C, uint8_t> && D % 16 == 0; }
+
+// A key row as fp32: the cache's own row when it is fp32, else widened (unscaled; FP8 shifted, see above) into tmp.
+template <typename C>
+inline const float* fp32_row(const C* cache, int64_t slot, int64_t D, float* tmp) {
+  if constexpr (std::is_same_v<C, float>) {
+    return cache + slot * D;
+  } else {
+    if constexpr (std::is_same_v<C, uint8_t>) {
+      if (e4m3_shifted<C>(D)) {
+        for (int64_t d = 0; d < D; d += 16) {
+          __m256 lo, hi;
+          load16_e4m3_shifted(cache + slot * D + d, lo, hi);
+          _mm256_storeu_ps(tmp + d, lo);
+          _mm256_storeu_ps(tmp + d + 8, hi);
+        }
+        return tmp;
+      }
+    }
+    widen_row(cache + slot * D, D, tmp);
+    return tmp;
+  }
+}
+
+// acc[0..W) += w * v[0..8W): W vectors of one head's output kept in registers over all positions.
+template <int W, typename C, bool SCALED>
+inline void weighted_values(const float* p, const float* vs, const int64_t* slot, int64_t L, const C* vc, int64_t D,
+                            int64_t d0, float inv, float* out) {
+  __m256 acc[W];
+  for (int j = 0; j < W; ++j) acc[j] = _mm256_setzero_ps();
+  if constexpr (std::is_same_v<C, uint8_t> && W % 2 == 0) {
+    if (e4m3_shifted<C>(D)) {
+      for (int64_t i = 0; i < L; ++i) {
+        const C* v = vc + slot[i] * D + d0;
+        const __m256 wv = _mm256_set1_ps(p[i] * (vs[slot[i]] * E4M3_SHIFTED));
+        for (int j = 0; j < W; j += 2) {
+          __m256 lo, hi;
+          load16_e4m3_shifted(v + 8 * j, lo, hi);
+          acc[j] = _mm256_fmadd_ps(wv, lo, acc[j]);
+          acc[j + 1] = _mm256_fmadd_ps(wv, hi, acc[j + 1]);
+        }
+      }
+      const __m256 iv = _mm256_set1_ps(inv);
+      for (int j = 0; j < W; ++j) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(acc[j], iv));
+      return;
+    }
+  }
+  for (int64_t i = 0; i < L; ++i) {
+    const C* v = vc + slot[i] * D + d0;
+    const __m256 wv = _mm256_set1_ps(SCALED ? p[i] * vs[slot[i]] : p[i]);
+    for (int j = 0; j < W; ++j) acc[j] = _mm256_fmadd_ps(wv, load8(v + 8 * j), acc[j]);
+  }
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (int j = 0; j < W; ++j) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(acc[j], iv));
+}
+
 // One query row's G heads (sharing KV head kh) against positions first..last of its sequence (first > 0 under a
 // sliding window: blocks before it are never read). A quantized cache C (uint8_t = FP8, int8_t) comes with one
-// scale per (slot, KV head) in ks/vs; an unquantized one (C = T) has none.
+// scale per (slot, KV head) in ks/vs; an unquantized one (C = T) has none. Each head's result depends on that
+// head alone, never on G, so one head per call (the single-row path) gives the bits of G heads per call.
+// Decode attention at a long context was arithmetic and memory latency, not a read at the bandwidth (2k positions:
+// 9 GB/s of a hot fp32 cache in one thread, 2 for FP8; measurements/2026-12-02/issue27/kv-plan/README.md), so
+// eight positions' scores are computed at once (a horizontal-add tree instead of a reduction per dot product), the
+// softmax's exp eight lanes at a time (ATen's exp_u20, as torch's CPU flash attention uses), each head's output
+// in registers over the positions, and the scores pass prefetches keys and values ahead (a KV head's rows are
+// Hk * D elements apart, a stride the hardware prefetchers follow poorly).
 template <typename T, typename C>
 void attend(const T* q, int64_t q_head_stride, const C* kc, const C* vc, const float* ks, const float* vs,
             const int64_t* table, int64_t first, int64_t last, int64_t bs, int64_t Hk, int64_t kh, int64_t D,
             int64_t G, float scale, T* out, std::vector<float>& buf) {
-  const int64_t L = last - first + 1;
-  buf.resize(G * L + 2 * G * D + G);
-  float* s = buf.data();
-  float* qf = s + G * L;
+  constexpr bool scaled = std::is_same_v<C, uint8_t> || std::is_same_v<C, int8_t>;
+  const int64_t L = last - first + 1, L8 = (L + 7) / 8 * 8;
+  const bool vec = D % 8 == 0;
+  buf.resize(G * L8 + 2 * G * D + 8 * D + 8);
+  float* s = buf.data();  // scores, then probabilities: [G, L8], padded with -inf / 0
+  float* qf = s + G * L8;
   float* acc = qf + G * D;
-  float* inv = acc + G * D;
+  float* rows = acc + G * D;  // eight keys widened to fp32
+  thread_local std::vector<int64_t> slots;
+  slots.resize(L);
+  int64_t* slot = slots.data();
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t p = first + i;
+    slot[i] = (table[p / bs] * bs + p % bs) * Hk + kh;
+  }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(q[g * q_head_stride + d]) * scale;
-  // a quantized row is widened to fp32 once and reused by the G query heads that share it
-  constexpr bool widen = std::is_same_v<C, uint8_t> || std::is_same_v<C, int8_t>;
-  float row[widen ? 512 : 1];  // paged_attention checks D <= 512 for a quantized cache
-  for (int64_t i = 0; i < L; ++i) {
-    const int64_t p = first + i;
-    const int64_t slot = (table[p / bs] * bs + p % bs) * Hk + kh;
-    const C* k = kc + slot * D;
-    if constexpr (widen) {
-      widen_row(k, D, row);
-      for (int64_t g = 0; g < G; ++g) s[g * L + i] = dot(qf + g * D, row, D) * ks[slot];
-    } else {
-      for (int64_t g = 0; g < G; ++g) s[g * L + i] = dot(qf + g * D, k, D);
+  // scores, eight positions at a time (a key row is widened once for the G heads that share it)
+  for (int64_t i0 = 0; i0 < L; i0 += 8) {
+    const int64_t n = std::min<int64_t>(8, L - i0);
+    const float* k[8];
+    if (i0 + 64 + 8 <= L)  // the keys and values 64 positions on: each is read from memory once, here
+      for (int64_t j = 0; j < 8; ++j) {
+        const char* kr = reinterpret_cast<const char*>(kc + slot[i0 + 64 + j] * D);
+        const char* vr = reinterpret_cast<const char*>(vc + slot[i0 + 64 + j] * D);
+        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(C)); b += 64) {
+          _mm_prefetch(kr + b, _MM_HINT_T0);
+          _mm_prefetch(vr + b, _MM_HINT_T1);
+        }
+      }
+    for (int64_t j = 0; j < 8; ++j) k[j] = j < n ? fp32_row(kc, slot[i0 + j], D, rows + j * D) : k[0];
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = s + g * L8 + i0;
+      if (vec) {
+        __m256 a[8];
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(qf + g * D + d);
+          for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + d), a[j]);
+        }
+        _mm256_storeu_ps(sg, hsum8(a));
+      } else {
+        for (int64_t j = 0; j < n; ++j) sg[j] = dot(qf + g * D, k[j], D);
+      }
+      if constexpr (scaled) {
+        const float shift = e4m3_shifted<C>(D) ? E4M3_SHIFTED : 1.f;
+        for (int64_t j = 0; j < n; ++j) sg[j] *= ks[slot[i0 + j]] * shift;
+      }
+      for (int64_t j = n; j < 8; ++j) sg[j] = -std::numeric_limits<float>::infinity();
     }
+  }
+  // softmax numerators in place, eight lanes at a time; the padding's exp(-inf) is 0
+  float inv[64];
+  std::vector<float> inv_big;
+  float* invp = inv;
+  if (G > 64) {
+    inv_big.resize(G);
+    invp = inv_big.data();
   }
   for (int64_t g = 0; g < G; ++g) {
-    float* sg = s + g * L;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < L; ++i) mx = std::max(mx, sg[i]);
-    float sum = 0.f;
-    for (int64_t i = 0; i < L; ++i) {
-      sg[i] = std::exp(sg[i] - mx);
-      sum += sg[i];
+    float* sg = s + g * L8;
+    __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < L8; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + i));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    const __m256 m = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < L8; i += 8) {
+      const __m256 e = at::vec::Vectorized<float>(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m)).exp_u20();
+      _mm256_storeu_ps(sg + i, e);
+      sum = _mm256_add_ps(sum, e);
     }
-    inv[g] = 1.f / sum;
+    invp[g] = 1.f / hsum(sum);
   }
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t i = 0; i < L; ++i) {
-    const int64_t p = first + i;
-    const int64_t slot = (table[p / bs] * bs + p % bs) * Hk + kh;
-    const C* v = vc + slot * D;
-    if constexpr (widen) {
-      widen_row(v, D, row);
-      for (int64_t g = 0; g < G; ++g) axpy(s[g * L + i] * vs[slot], row, acc + g * D, D);
+  // each head's weighted sum of values, 64 output lanes at a time in registers
+  for (int64_t g = 0; g < G; ++g) {
+    const float* p = s + g * L8;
+    float* o = acc + g * D;
+    if (!vec) {
+      std::fill(o, o + D, 0.f);
+      for (int64_t i = 0; i < L; ++i) axpy(scaled ? p[i] * vs[slot[i]] : p[i], vc + slot[i] * D, o, D);
+      for (int64_t d = 0; d < D; ++d) o[d] *= invp[g];
     } else {
-      for (int64_t g = 0; g < G; ++g) axpy(s[g * L + i], v, acc + g * D, D);
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        switch (std::min<int64_t>(64, D - d0) / 8) {
+          case 8: weighted_values<8, C, scaled>(p, vs, slot, L, vc, D, d0, invp[g], o + d0); break;
+          case 7: weighted_values<7, C, scaled>(p, vs, slot, L, vc, D, d0, invp[g], o + d0); break;
+          case 6: weighted_values<6, C, scaled>(p, vs, slot, L, vc, D, d0, invp[g], o + d0); break;
+          case 5: weighted_values<5, C, scaled>(p, vs, slot, L, vc, D, d0, invp[g], o + d0); break;
+          case 4: weighted_values<4, C, scaled>(p, vs, slot, L, vc, D, d0, invp[g], o + d0); break;
+          case 3: weighted_values<3, C, scaled>(p, vs, slot, L, vc, D, d0, invp[g], o + d0); break;
+          case 2: weighted_values<2, C, scaled>(p, vs, slot, L, vc, D, d0, invp[g], o + d0); break;
+          default: weighted_values<1, C, scaled>(p, vs, slot, L, vc, D, d0, invp[g], o + d0); break;
+        }
+      }
     }
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(o[d]);
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(acc[g * D + d] * inv[g]);
 }
 
 // Every (row, KV head) pair is one task: its G query heads against the row's visible positions.

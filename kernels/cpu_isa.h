@@ -8,6 +8,14 @@
 #include <strings.h>
 #include <cstdlib>
 
+// ATen's vector types at the build's level (AVX2): header-only math such as Vectorized<float>::exp_u20. Included
+// here, at file scope, because cpu_decode.cpp includes the other sources inside namespaces.
+#ifndef CPU_CAPABILITY
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#endif
+#include <ATen/cpu/vec/vec.h>
+
 namespace qtoolkit_isa {
 
 // The OS saves the AVX-512 state (XCR0 opmask, ZMM_Hi256, Hi16_ZMM): a VM can hide it from a CPU that has it.

@@ -95,6 +95,43 @@ def test_paged_attention_reads_the_quantized_cache(kind, head_dim, window):
         ops.paged_attention(q, kq, vq, table, row_seq, row_last, 1.0, 0, ks, None)
 
 
+@needs_ops
+@pytest.mark.parametrize("head_dim", [64, 16, 24])  # 64 and 16 take the F16C widening, 24 the exact one
+def test_paged_attention_reads_every_fp8_code(head_dim):
+    """Every E4M3 byte but the two NaNs (subnormals, both zeros, +-448), read as keys and as values, each where an
+    error in its widening shows: the widening that folds 2^8 into the scale reads each as dequantize does."""
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+    values = codes.view(torch.float8_e4m3fn).float()
+    bs, n = 4, -(-len(codes) // head_dim)  # n positions hold every code once (the rest: code 0)
+    padded = torch.cat([codes[values.abs().argsort()], torch.zeros(n * head_dim - len(codes), dtype=torch.uint8)])
+    blocks = -(-n // bs)
+    table, rows = torch.arange(blocks).view(1, -1), torch.zeros(head_dim, dtype=torch.long)
+    last = torch.full((head_dim,), n - 1)
+
+    def cache(by_position: torch.Tensor) -> torch.Tensor:  # [n, D] codes -> [blocks, bs, 1, D]
+        out = torch.zeros(blocks * bs, head_dim, dtype=torch.uint8)
+        out[:n] = by_position
+        return out.view(blocks, bs, 1, head_dim)
+
+    def check(kq, vq, q, ks, vs):
+        got = ops.paged_attention(q, kq, vq, table, rows, last, 1.0, 0, ks, vs)
+        ref = reference_attention(q, dequantize(kq, ks, "fp8", torch.float32),
+                                  dequantize(vq, vs, "fp8", torch.float32), table, rows, last, 1.0)
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+
+    g = torch.Generator().manual_seed(3)
+    scales = 0.3 + torch.rand(blocks, bs, 1, generator=g)
+    one_hot = torch.zeros(n, head_dim, dtype=torch.uint8)
+    one_hot[torch.arange(n), torch.arange(n)] = 0x38  # 1.0: output lane i of a query is its weight on position i
+    # keys: query d reads key element d only, and key column d holds codes of one magnitude (sorted), scaled to +-1
+    keys = padded.view(head_dim, n).t().contiguous()
+    column_max = keys.view(torch.float8_e4m3fn).float().abs().amax(0).clamp_min(2.0 ** -9)
+    q = (torch.eye(head_dim) / (column_max * 1.3)).view(head_dim, 1, head_dim)
+    check(cache(keys), cache(one_hot), q, scales, torch.ones_like(scales))
+    # values: a zero query weighs every position alike, so each output is a mean of one column of codes
+    check(cache(one_hot), cache(padded.view(n, head_dim)), torch.zeros(head_dim, 1, head_dim), scales, scales)
+
+
 def make(model_dir, kv: str, blocks: int = 512, block_size: int = 4, **kw) -> Engine:
     """An engine whose cache holds `blocks` blocks whatever its dtype."""
     cfg = json.loads((model_dir / "config.json").read_text())
