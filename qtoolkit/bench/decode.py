@@ -65,7 +65,8 @@ def engine_decoder(model: str, dtype: str, threads: int, kv_cache_dtype: str = "
                  "kv_cache_dtype": kv_cache_dtype, "threads": threads}
 
 
-def llama_cpp_decoder(gguf: Path, threads: int, prompt: str = PROMPT, context: int = 1024) -> tuple[Decoder, dict[str, Any]]:
+def llama_cpp_decoder(gguf: Path, threads: int, prompt: str = PROMPT,
+                      context: int = 1024) -> tuple[Decoder, dict[str, Any]]:
     if importlib.util.find_spec("llama_cpp") is None:
         raise QToolError("llama.cpp comparison needs llama-cpp-python: install the `llamacpp` extra as the README "
                          "says (it compiles llama.cpp, ~10 min on 2 cores), or drop llama.cpp from --compare")

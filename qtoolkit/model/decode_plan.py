@@ -7,8 +7,8 @@ The plan calls the same kernels in the same order as the Python loop, so its out
 
 A model gets a plan only when every layer has the plain LLaMA shape the loop implements: fp32 activations on the
 CPU, an fp32 KV cache or a quantized one (FP8 E4M3 / int8 with a scale per token and KV head, calibrated scales
-included: the quantized caches' ops, rope_and_cache_quant and the scaled paged attention), pre-norm RMSNorm (not Gemma's 1 + w), no q/k norm, no sandwich norms, a dense SwiGLU MLP, and
-every Linear a single AVX2 kernel call. Anything else (and prefill, and rows beyond the GEMV limits) keeps the
+included: the quantized caches' ops, rope_and_cache_quant and the scaled paged attention), pre-norm RMSNorm (not
+Gemma's 1 + w), no q/k norm, no sandwich norms, a dense SwiGLU MLP, and every Linear a single AVX2 kernel call. Anything else (and prefill, and rows beyond the GEMV limits) keeps the
 Python loop. EAGLE-3's taps (the residual stream entering chosen layers) are taken inside the C++ loop. QTOOLKIT_FUSED_DECODE=0 turns plans off (for A/B measurements).
 
 A single row (a batch-1 decode step) takes the plan's single-row path when every Linear is a weight-only R8 INT4 /

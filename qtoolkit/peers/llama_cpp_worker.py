@@ -25,8 +25,8 @@ class Worker:
             raise RuntimeError("llama-cpp-python is not installed: install the `llamacpp` extra "
                                "(it compiles llama.cpp, ~10 min on 2 cores), or drop llama.cpp from --compare") from None
         threads = int(request["threads"])
-        self.llm = llama_cpp.Llama(model_path=request["gguf"], n_ctx=int(request.get("n_ctx", 1024)), n_threads=threads,
-                                   n_threads_batch=threads, n_batch=512, verbose=False)
+        self.llm = llama_cpp.Llama(model_path=request["gguf"], n_ctx=int(request.get("n_ctx", 1024)),
+                                   n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
         self.prompt = self.llm.tokenize(request["prompt"].encode())
         return {"llama_cpp_python": llama_cpp.__version__,
                 "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
