@@ -182,11 +182,11 @@ void attend(const T* q, int64_t q_head_stride, const C* kc, const C* vc, const f
   constexpr bool scaled = std::is_same_v<C, uint8_t> || std::is_same_v<C, int8_t>;
   const int64_t L = last - first + 1, L8 = (L + 7) / 8 * 8;
   const bool vec = D % 8 == 0;
-  buf.resize(G * L8 + 2 * G * D + 8 * D + 8);
+  buf.resize(G * L8 + G * D + D + 8 * D);
   float* s = buf.data();  // scores, then probabilities: [G, L8], padded with -inf / 0
   float* qf = s + G * L8;
-  float* acc = qf + G * D;
-  float* rows = acc + G * D;  // eight keys widened to fp32
+  float* o = qf + G * D;  // one head's output
+  float* rows = o + D;  // eight keys widened to fp32
   thread_local std::vector<int64_t> slots;
   slots.resize(L);
   int64_t* slot = slots.data();
@@ -230,48 +230,37 @@ void attend(const T* q, int64_t q_head_stride, const C* kc, const C* vc, const f
       for (int64_t j = n; j < 8; ++j) sg[j] = -std::numeric_limits<float>::infinity();
     }
   }
-  // softmax numerators in place, eight lanes at a time; the padding's exp(-inf) is 0
-  float inv[64];
-  std::vector<float> inv_big;
-  float* invp = inv;
-  if (G > 64) {
-    inv_big.resize(G);
-    invp = inv_big.data();
-  }
   for (int64_t g = 0; g < G; ++g) {
-    float* sg = s + g * L8;
+    // softmax numerators in place, eight lanes at a time; the padding's exp(-inf) is 0
+    float* p = s + g * L8;
     __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t i = 0; i < L8; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + i));
+    for (int64_t i = 0; i < L8; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(p + i));
     float lanes[8];
     _mm256_storeu_ps(lanes, mx);
     const __m256 m = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
     __m256 sum = _mm256_setzero_ps();
     for (int64_t i = 0; i < L8; i += 8) {
-      const __m256 e = at::vec::Vectorized<float>(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m)).exp_u20();
-      _mm256_storeu_ps(sg + i, e);
+      const __m256 e = at::vec::Vectorized<float>(_mm256_sub_ps(_mm256_loadu_ps(p + i), m)).exp_u20();
+      _mm256_storeu_ps(p + i, e);
       sum = _mm256_add_ps(sum, e);
     }
-    invp[g] = 1.f / hsum(sum);
-  }
-  // each head's weighted sum of values, 64 output lanes at a time in registers
-  for (int64_t g = 0; g < G; ++g) {
-    const float* p = s + g * L8;
-    float* o = acc + g * D;
+    const float inv = 1.f / hsum(sum);
+    // the head's weighted sum of values, 64 output lanes at a time in registers
     if (!vec) {
       std::fill(o, o + D, 0.f);
       for (int64_t i = 0; i < L; ++i) axpy(scaled ? p[i] * vs[slot[i]] : p[i], vc + slot[i] * D, o, D);
-      for (int64_t d = 0; d < D; ++d) o[d] *= invp[g];
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     } else {
       for (int64_t d0 = 0; d0 < D; d0 += 64) {
         switch (std::min<int64_t>(64, D - d0) / 8) {
-          case 8: weighted_values<8, C, scaled>(p, vs, slot, L, vc, D, d0, invp[g], o + d0); break;
-          case 7: weighted_values<7, C, scaled>(p, vs, slot, L, vc, D, d0, invp[g], o + d0); break;
-          case 6: weighted_values<6, C, scaled>(p, vs, slot, L, vc, D, d0, invp[g], o + d0); break;
-          case 5: weighted_values<5, C, scaled>(p, vs, slot, L, vc, D, d0, invp[g], o + d0); break;
-          case 4: weighted_values<4, C, scaled>(p, vs, slot, L, vc, D, d0, invp[g], o + d0); break;
-          case 3: weighted_values<3, C, scaled>(p, vs, slot, L, vc, D, d0, invp[g], o + d0); break;
-          case 2: weighted_values<2, C, scaled>(p, vs, slot, L, vc, D, d0, invp[g], o + d0); break;
-          default: weighted_values<1, C, scaled>(p, vs, slot, L, vc, D, d0, invp[g], o + d0); break;
+          case 8: weighted_values<8, C, scaled>(p, vs, slot, L, vc, D, d0, inv, o + d0); break;
+          case 7: weighted_values<7, C, scaled>(p, vs, slot, L, vc, D, d0, inv, o + d0); break;
+          case 6: weighted_values<6, C, scaled>(p, vs, slot, L, vc, D, d0, inv, o + d0); break;
+          case 5: weighted_values<5, C, scaled>(p, vs, slot, L, vc, D, d0, inv, o + d0); break;
+          case 4: weighted_values<4, C, scaled>(p, vs, slot, L, vc, D, d0, inv, o + d0); break;
+          case 3: weighted_values<3, C, scaled>(p, vs, slot, L, vc, D, d0, inv, o + d0); break;
+          case 2: weighted_values<2, C, scaled>(p, vs, slot, L, vc, D, d0, inv, o + d0); break;
+          default: weighted_values<1, C, scaled>(p, vs, slot, L, vc, D, d0, inv, o + d0); break;
         }
       }
     }
