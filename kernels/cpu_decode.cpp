@@ -69,11 +69,12 @@ struct Layer {
   torch::Tensor k_scales, v_scales, k_static, v_static;
   Linear qkv, o, gate_up, down;
   int64_t rope = 0, window = 0, kv = KV_FP32;
-
-  // the calibrated scales as rope_and_cache_quant takes them
-  c10::optional<torch::Tensor> k_fixed() const { return k_static.numel() ? c10::optional<torch::Tensor>(k_static) : c10::nullopt; }
-  c10::optional<torch::Tensor> v_fixed() const { return v_static.numel() ? c10::optional<torch::Tensor>(v_static) : c10::nullopt; }
 };
+
+// An optional argument of the engine ops from a bound tensor that is empty where there is none.
+inline c10::optional<torch::Tensor> unless_empty(const torch::Tensor& t) {
+  return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
 
 // ---- the single-row path (a batch-1 decode step) --------------------------------------------------------------
 // At one row every kernel call above pays a fork/join of the thread pool, a tensor allocation and a cold start of
@@ -322,8 +323,8 @@ class DecodePlan {
                                 c10::nullopt, c10::nullopt);
       } else {
         auto q = qe::rope_and_cache_quant(qkv.contiguous(), cos[L.rope], sin[L.rope], L.k_cache, L.v_cache,
-                                          L.k_scales, L.v_scales, slots, H_, Hk_, L.kv == KV_FP8, L.k_fixed(),
-                                          L.v_fixed());
+                                          L.k_scales, L.v_scales, slots, H_, Hk_, L.kv == KV_FP8,
+                                          unless_empty(L.k_static), unless_empty(L.v_static));
         a = qe::paged_attention(q, L.k_cache, L.v_cache, block_table, row_seq, row_last, scale_, L.window,
                                 L.k_scales, L.v_scales);
       }
