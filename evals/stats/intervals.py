@@ -67,8 +67,9 @@ def _row_quantiles(sorted_rows: np.ndarray, levels: np.ndarray) -> np.ndarray:
     return sorted_rows[rows, i] * (1 - g) + sorted_rows[rows, j] * g
 
 
-def bca(v, w, counts, confidence: float = 0.95) -> Interval:
-    """Bias-corrected and accelerated bootstrap (Efron 1987); acceleration from the jackknife."""
+def bca_parts(v, w, counts) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What a BCa interval at any level is read from: the point [runs], the sorted resampled deltas [runs, B],
+    the bias correction z0 and the acceleration [runs] (the jackknife's)."""
     w = _weights(v, w)
     m, delta = _boot(v, w, counts)
     b = delta.shape[1]
@@ -79,17 +80,25 @@ def bca(v, w, counts, confidence: float = 0.95) -> Interval:
     u = jack.mean(1, keepdims=True) - jack
     den = 6 * (u ** 2).sum(1) ** 1.5
     acc = np.divide((u ** 3).sum(1), den, out=np.zeros_like(den), where=den > 0)
-    z = norm.ppf([(1 - confidence) / 2, (1 + confidence) / 2])
-    srt = np.sort(delta, axis=1)
+    return m, np.sort(delta, axis=1), z0, acc
+
+
+def bca_from_parts(parts: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], confidence: float) -> Interval:
+    m, srt, z0, acc = parts
     ends = []
-    for zq in z:
+    for zq in norm.ppf([(1 - confidence) / 2, (1 + confidence) / 2]):
         level = norm.cdf(z0 + (z0 + zq) / (1 - acc * (z0 + zq)))
         ends.append(m + _row_quantiles(srt, level))
     return ends[0], ends[1]
 
 
-def studentized(v, w, counts, confidence: float = 0.95) -> Interval:
-    """Bootstrap-t: quantiles of (mean* - mean) / se* replace Student's t (captures skew, wider at small n)."""
+def bca(v, w, counts, confidence: float = 0.95) -> Interval:
+    """Bias-corrected and accelerated bootstrap (Efron 1987); acceleration from the jackknife."""
+    return bca_from_parts(bca_parts(v, w, counts), confidence)
+
+
+def studentized_parts(v, w, counts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The point and standard error [runs] and the resampled t statistics [runs, B] a bootstrap-t reads."""
     w = _weights(v, w)
     m, se = point_and_se(v, w)
     d = v - m[:, None]
@@ -101,6 +110,12 @@ def studentized(v, w, counts, confidence: float = 0.95) -> Interval:
     se_star = np.sqrt(np.maximum(s2, 0.0))
     with np.errstate(divide="ignore", invalid="ignore"):
         t = np.where(se_star > 0, delta / se_star, np.where(delta == 0, 0.0, np.sign(delta) * np.inf))
+    return m, se, t
+
+
+def studentized(v, w, counts, confidence: float = 0.95) -> Interval:
+    """Bootstrap-t: quantiles of (mean* - mean) / se* replace Student's t (captures skew, wider at small n)."""
+    m, se, t = studentized_parts(v, w, counts)
     a = (1 - confidence) / 2
     # order statistics, not interpolation: a resample with se* = 0 gives t* = +-inf, which must stay infinite
     q_lo, q_hi = np.quantile(t, [a, 1 - a], axis=1, method="inverted_cdf")
@@ -119,8 +134,10 @@ def t_interval(v, w=None, counts=None, confidence: float = 0.95) -> Interval:
 def newcombe_paired(cand: np.ndarray, base: np.ndarray, confidence: float = 0.95) -> Interval:
     """Newcombe's hybrid score interval (1998, method 10) for a difference of paired proportions, cand - base.
 
-    Built from the two Wilson score intervals and the phi correlation of the 2x2 table, so an all-concordant
-    sample (every item passes or fails on both sides) still gives a real interval instead of a point.
+    Built from the two Wilson score intervals and the phi correlation of the 2x2 table with Newcombe's continuity
+    correction: ad - bc is shrunk towards 0 by n/2 when positive (and phi is 0 when the table has an empty
+    margin). Without it an all-concordant sample (no item flips) has phi = 1 and the interval collapses to the
+    point 0: 8 items that agree would PASS any drop bound. With it that sample still gives a real interval.
     """
     cand, base = np.asarray(cand, dtype=bool), np.asarray(base, dtype=bool)
     n = cand.shape[-1]
@@ -132,8 +149,10 @@ def newcombe_paired(cand: np.ndarray, base: np.ndarray, confidence: float = 0.95
     l1, u1 = wilson(a + b, n, confidence)
     l2, u2 = wilson(a + c, n, confidence)
     den = (a + b) * (c + d) * (a + c) * (b + d)
+    cross = a * d - b * c
+    corrected = np.where(cross > n / 2, cross - n / 2, np.minimum(cross, 0.0))
     with np.errstate(invalid="ignore", divide="ignore"):
-        phi = np.where(den > 0, (a * d - b * c) / np.sqrt(den), 0.0)
+        phi = np.where(den > 0, corrected / np.sqrt(den), 0.0)
     lo_half = np.sqrt(np.maximum((p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2, 0.0))
     hi_half = np.sqrt(np.maximum((u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2, 0.0))
     return p1 - p2 - lo_half, p1 - p2 + hi_half
