@@ -13,6 +13,7 @@ else PASS; ERROR when a step failed. Exit codes: 0 PASS, 1 FAIL, 2 ERROR, 3 INCO
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,8 +45,12 @@ def _fmt(v: float) -> str:
 def judge_interval(point: float | None, lo: float | None, hi: float | None, *, max_: float | None,
                    min_: float | None, n_text: str = "") -> Judgement:
     """PASS / FAIL / INCONCLUSIVE of an interval [lo, hi] (already signed so a bound reads naturally)."""
-    if point is None:
-        return Judgement(NO_EVIDENCE, "not measured")
+    if point is None or not math.isfinite(point):
+        return Judgement(NO_EVIDENCE, "not measured" if point is None else f"the point estimate is {point}")
+    if lo is not None and hi is not None and not (math.isfinite(lo) and math.isfinite(hi)):
+        # a NaN end compares False with every bound (and sorts anywhere), an infinite one bounds nothing: such an
+        # interval can fail a gate only through its finite end, and never pass one
+        return _unbounded(point, lo, hi, max_=max_, min_=min_)
     if lo is None or hi is None:
         lo = hi = point
         resolution = "judged on a point, no interval"
@@ -66,6 +71,16 @@ def judge_interval(point: float | None, lo: float | None, hi: float | None, *, m
     if best < min_:
         return Judgement(FAIL, f"{_fmt(best)} < min {min_:g} (the whole interval)", resolution)
     return Judgement(INCONCLUSIVE, f"[{_fmt(lo)}, {_fmt(hi)}] straddles min {min_:g}", resolution)
+
+
+def _unbounded(point: float, lo: float, hi: float, *, max_: float | None, min_: float | None) -> Judgement:
+    """An interval with a NaN or infinite end: FAIL when its finite best end is beyond the bound, else
+    INCONCLUSIVE; never PASS."""
+    best = lo if max_ is not None else hi
+    text = f"[{lo}, {hi}] has no finite {'upper' if max_ is not None else 'lower'} end"
+    if math.isfinite(best) and ((max_ is not None and best > max_) or (min_ is not None and best < min_)):
+        return Judgement(FAIL, f"{_fmt(best)} beyond the bound ({text})", "no resolution: an end is not finite")
+    return Judgement(INCONCLUSIVE, text, "no resolution: an end is not finite")
 
 
 def no_evidence(fig: Figure | float | None, min_share: float | None) -> str | None:
@@ -94,7 +109,8 @@ def judge_quality(fig: Figure | float | None, sign: float, point_only: bool, *, 
     point = fig.point
     lo = hi = None
     if not point_only and fig.ci.complete:
-        lo, hi = sorted((sign * fig.ci.bounds[0], sign * fig.ci.bounds[1]))
+        a, b = sign * fig.ci.bounds[0], sign * fig.ci.bounds[1]
+        lo, hi = (a, b) if a <= b or math.isnan(a) or math.isnan(b) else (b, a)  # sorted() misplaces a NaN
     items = fig.items
     j = judge_interval(None if point is None else sign * point, lo, hi, max_=max_, min_=min_,
                        n_text=f", {items} items" if items else "")
@@ -128,6 +144,18 @@ RULE = ("Each gate is judged on its interval (95% when judged once; a quality ga
         "or without evidence, else PASS; ERROR when a step failed. Exit codes: 0 PASS, 1 FAIL, 2 ERROR, 3 INCONCLUSIVE.")
 
 
+AT_BOUND = "measurements/2026-12-04/issue39/at-bound.json"  # the simulation the split below rests on
+
+
+def side_split() -> str:
+    """The shipped split of a look's error between each gate statistic's PASS end and FAIL end, in words."""
+    from ..evals.stats.at_bound_table import (
+        SIDE_SHARES,  # numpy-free, but kept out of `qtool --help`'s imports
+    )
+    names = {"kld": "KLD", "nll": "NLL", "bounded": "ROUGE-L", "binary": "pass@1"}
+    return ", ".join(f"{names.get(k, k)} {p:.0%}/{f:.0%}" for k, (p, f) in SIDE_SHARES.items())
+
+
 def error_statement(sequential: dict[str, Any]) -> str:
     """The overall error of a decisive quality gate over its looks (sequential.json's design)."""
     design = sequential.get("design")
@@ -136,13 +164,16 @@ def error_statement(sequential: dict[str, Any]) -> str:
         return (f"With {k} look(s) at 95% each, a decisive gate is wrong with probability at most K x 5% = "
                 f"{0.05 * k:.0%}.")
     k = len(design["planned_items"])
+    looks = ", ".join(f"{n} items {1 - c:.2%}" for n, c in zip(design["planned_items"], design["levels"],
+                                                                strict=True))
+    split = (f"Each look's error is split between a gate's PASS end and its FAIL end (shares of the look's error, "
+             f"PASS/FAIL: {side_split()}), set by simulating every gate statistic with the truth exactly on the "
+             f"policy's bound so that a false PASS stays within 5% for every look schedule and a sweep's candidate "
+             f"within its share ({AT_BOUND}; qtoolkit/signoff/error_spending.py says why).")
     if k == 1:
-        return ("One look, at 95%: each gate's error is its interval's simulated coverage, shown beside it.")
+        return f"One look ({looks} error): a PASS is wrong with probability at most 5%, and so is a FAIL. " + split
     return (f"A decisive gate is wrong with probability at most {sequential['error_rate_bound']:.0%} over its {k} "
-            f"looks, {design['name']}: each look's intervals are at that look's level, the looks spending "
-            f"{design['alpha_spent'][-1]:.0%} nominal between them so that the simulated error, truth on the "
-            "bound, stays within 5% for every gate statistic (qtoolkit/signoff/error_spending.py says why: "
-            "Pocock-type so the first look can still decide, 3% because KLD intervals undercover at these levels).")
+            f"looks, Lan-DeMets Pocock-type alpha spending (error per look: {looks}). " + split)
 
 
 def reading(gates: list[Any], evals: EvalResults | None, sequential: dict[str, Any] | None) -> list[str]:
