@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata as md
 import json
@@ -74,6 +75,42 @@ def library_versions() -> dict[str, str]:
         except md.PackageNotFoundError:
             continue
     return out
+
+
+# The libraries whose versions change what a step computes: a step's evidence made under others is made again
+_CODE_LIBS = ("torch", "transformers", "compressed-tensors", "llmcompressor")
+_SOURCE_SKIP = {"__pycache__", ".pytest_cache"}
+
+
+@functools.lru_cache(maxsize=1)
+def source_sha256() -> str:
+    """Hash of every source file qtoolkit runs from (qtoolkit/, and kernels/, evals/, recipes/ as they are
+    installed): a fix to an interval method or a kernel changes it, so no step's evidence outlives the code that
+    made it. Read once per process (~2 MB)."""
+    import qtoolkit.evals
+    import qtoolkit.kernels
+    import qtoolkit.recipes
+
+    roots = {name: Path(mod.__file__).parent for name, mod in (
+        ("qtoolkit", __import__("qtoolkit")), ("evals", qtoolkit.evals), ("kernels", qtoolkit.kernels),
+        ("recipes", qtoolkit.recipes))}
+    h = hashlib.sha256()
+    for name, root in roots.items():
+        skip = [r for r in roots.values() if r != root and root in r.parents]  # a package inside another
+        for p in sorted(root.rglob("*")):
+            if (p.is_file() and p.suffix not in (".pyc", ".so") and not _SOURCE_SKIP & set(p.parts)
+                    and not any(s in p.parents for s in skip)):
+                h.update(f"{name}/{p.relative_to(root).as_posix()}".encode())
+                h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def code_identity() -> dict[str, str]:
+    """What made a step's evidence besides its inputs: qtoolkit's version and source, and the versions of the
+    libraries that compute with it. Part of every sign-off step's reuse key."""
+    versions = library_versions()
+    return {"qtoolkit": versions.get("qtoolkit", "?"), "source_sha256": source_sha256(),
+            **{lib: versions.get(lib, "absent") for lib in _CODE_LIBS}}
 
 
 def machine_info() -> dict[str, Any]:

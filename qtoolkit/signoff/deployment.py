@@ -127,6 +127,8 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
     none failed, the undecided tasks draw more items up to --max-items (qtoolkit/signoff/sequential.py)."""
     out = Path(cfg.output)
     inputs = {**identity, "tasks": tasks, "limit": cfg.limit, "seed": cfg.seed}
+    if cfg.data:  # an edited workload file is other evidence: its hash is in the key, as in the local sign-off
+        inputs["data"] = custom_signoff.data_inputs(cfg.data)
     if cfg.max_items and cfg.max_items > cfg.limit:  # how many items get drawn depends on the quality bounds
         inputs |= {"max_items": cfg.max_items, "quality_bounds": policy.model_dump()["tasks"]}
 

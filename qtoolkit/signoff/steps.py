@@ -14,7 +14,7 @@ from ..errors import OutputWriteError, QToolError
 from ..evals.custom import custom_tasks
 from ..io import lock_output, read_results_json, write_json
 from ..progress import status
-from ..provenance import text_sha256
+from ..provenance import code_identity, text_sha256
 
 STEPS = ("quantize", "eval", "bench", "diagnose")
 
@@ -68,7 +68,9 @@ class StepRunner:
 
     @staticmethod
     def key(inputs: dict[str, Any]) -> str:
-        return text_sha256(json.dumps(inputs, sort_keys=True, default=str))
+        """The step's inputs and the code that computes it (qtoolkit's source, the libraries' versions): a run
+        folder made before a fix is never reused by the fixed code."""
+        return text_sha256(json.dumps({**inputs, "_code": code_identity()}, sort_keys=True, default=str))
 
     def finished(self, name: str, inputs: dict[str, Any], output: Path) -> bool:
         """An earlier run with the same inputs finished the step and its output is there."""
