@@ -110,8 +110,10 @@ def recommendation(rows: list[Row]) -> tuple[str | None, str, int]:
     if alone:
         r = alone[0]
         return None, (f"none recommended: `{r.name}` passes on its own but not at its {r.family_alpha:.2%} share "
-                      f"of the 5% family-wise error ({r.family_verdict}); draw more items (--max-items) or "
-                      "sign off fewer candidates"), 3
+                      f"of the 5% family-wise error ({r.family_verdict}); draw more items (--max-items) in this "
+                      "sweep. Signing it off again alone would reuse this sweep's evidence without the family's "
+                      "correction: a choice made after seeing several candidates' results needs the sweep's "
+                      "share, not a fresh 5%"), 3
     why = ""
     if closest is not None:
         what = closest.reasons[0] if closest.reasons else f"gate {closest.worst_gate}"
@@ -162,7 +164,11 @@ def _markdown(data: dict[str, Any], rows: list[Row]) -> str:
                      f"{_fmt(r.worst_fraction, 3)} |")
     lines += ["", f"Family-wise error: {FAMILY_METHOD}. A candidate's verdict is its single sign-off's (gates at 95%); "
               "the recommendation reads the same evidence again at the candidate's share, so the chance that any "
-              "false PASS reaches it is at most 5%.", "",
+              "false PASS reaches it is at most 5% (simulated with three candidates on the bound: "
+              f"{verdicts.AT_BOUND}). A rerun of this command keeps that protection: its finished steps are "
+              "reused and judged again at the same shares. Signing off one candidate alone afterwards does not: "
+              "`qtool signoff` refuses a sweep's candidate folder, and a fresh folder would judge at a full 5% a "
+              "candidate chosen after seeing the others.", "",
               f"Peak memory of the whole process tree (this process, its servers and sandboxes): "
               f"{data['peak_memory']['rss_bytes'] / 2**30:.2f} GiB summed over {data['peak_memory']['processes']} "
               "processes at its peak.", ""]

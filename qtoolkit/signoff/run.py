@@ -20,6 +20,7 @@ from ..draft.format import check_fits, read_head_config
 from ..engine.config import KV_CACHE_DTYPES, EngineConfig
 from ..errors import QToolError
 from ..evals.results import EvalResults
+from ..evals.resummarize import resummarize
 from ..evals.runner import EvalConfig, evaluate
 from ..evals.sandbox.run import require
 from ..io import write_json
@@ -31,10 +32,11 @@ from ..quantize.report import QuantizeReport
 from ..quantize.run import quantize
 from . import workload as custom_signoff
 from .deployment import signoff_deployments
+from .error_spending import plan
 from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
-from .sequential import describe, draw_until_decisive
+from .sequential import describe, describe_design, draw_until_decisive
 from .steps import STEPS, SignoffConfig, StepRunner
 from .verdict import Evidence, decide
 
@@ -62,6 +64,17 @@ def _check(cfg: SignoffConfig) -> Policy:
     return policy
 
 
+def _refuse_sweep_candidate(out: Path) -> None:
+    """A sweep's candidate folder (DIR/candidates/NAME) judged alone would reuse the sweep's evidence at a full
+    5% instead of the candidate's share of the family-wise error: refused, with the command that keeps it."""
+    sweep = out.resolve().parent.parent
+    marks = [sweep / "steps.json", sweep / "report.json"]  # a sweep's folder holds its own steps and ranking
+    if out.resolve().parent.name == "candidates" and any(p.is_file() for p in marks):
+        raise QToolError(f"{out} is a candidate of the sweep in {sweep}: rerun that sweep's command (its finished "
+                         "steps are reused and judged at the candidate's share of 5%), or sign off into a new "
+                         "--output")
+
+
 def _check_speculative(speculative: str | None, source: ModelSource) -> None:
     """A bad --speculative (or an EAGLE-3 head that does not fit the model) fails here, before any work, not at
     the bench step after quantization and evals."""
@@ -77,6 +90,7 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
         return signoff_deployments(cfg)
     policy = _check(cfg)
     out = Path(cfg.output)
+    _refuse_sweep_candidate(out)
     if cfg.rejudge:
         return _rejudge(cfg, policy, out)
     recipe = load_recipe(cfg.recipe)
@@ -231,7 +245,9 @@ class _Run:
 
 
 def _rejudge(cfg: SignoffConfig, policy: Policy, out: Path) -> dict[str, Any]:
-    """Decide again from the step outputs already in `out` (e.g. under another policy); runs nothing."""
+    """Decide again from the step outputs already in `out` (e.g. under another policy, or after a fix to an
+    interval method); runs nothing. Every summary is rebuilt from its per-item records by this code
+    (evals/resummarize.py) at the level of the look its task stopped at, under this code's error spending."""
     if not (out / "steps.json").is_file():
         raise QToolError(f"{out} holds no sign-off steps (steps.json) to judge again: run `qtool signoff` first")
     runner = StepRunner(out)
@@ -241,18 +257,42 @@ def _rejudge(cfg: SignoffConfig, policy: Policy, out: Path) -> dict[str, Any]:
     ckpt_report = out / "checkpoint" / "quantize_report.json"
     quant = QuantizeReport.load(ckpt_report) if results["quantize"]["status"] == "ok" else None
     recipe = quant.recipe.to_json() if quant else {"name": cfg.recipe, "sha256": None}
-    return _decide(cfg, policy, recipe, {"spec": cfg.model}, out, results, quant)
+    evals, sequential = None, _load(out / "sequential.json")
+    if results["eval"].get("status") == "ok":
+        _check_rejudge_data(EvalResults.load(out / "eval.json"), cfg.data)
+        planned = ((sequential or {}).get("design") or {}).get("planned_items") or [cfg.limit]
+        design = plan(planned)
+        evals = resummarize(out / "eval.json", design.level_at, cfg.task_options())
+        if sequential is not None:
+            sequential = describe_design(sequential, design)
+    return _decide(cfg, policy, recipe, {"spec": cfg.model}, out, results, quant, evals=evals,
+                   sequential=sequential)
+
+
+def _check_rejudge_data(evals: EvalResults, data: list[str]) -> None:
+    """The workload gates are judged only with the run's own --data files: without them a custom task's gates
+    would silently drop out of the verdict (a FAIL could become a PASS)."""
+    judged = {t for t in evals.tasks if t.startswith("custom:")}
+    given = set(custom_signoff.custom_tasks(data))
+    if judged - given:
+        raise QToolError(f"this run judged workload file(s) {', '.join(sorted(judged))}: pass the same --data "
+                         "FILE(s) to --rejudge, or its workload gates would drop out of the verdict")
+    if given - judged:
+        raise QToolError(f"--data names {', '.join(sorted(given - judged))}, which this run did not evaluate: "
+                         "--rejudge judges only what the run measured")
 
 
 def _decide(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: dict[str, Any], out: Path,
-            results: dict[str, dict[str, Any]], quant: QuantizeReport | None) -> dict[str, Any]:
+            results: dict[str, dict[str, Any]], quant: QuantizeReport | None, *, evals: EvalResults | None = None,
+            sequential: dict[str, Any] | None = None) -> dict[str, Any]:
     steps = {n: results.get(n, {}) for n in STEPS}
-    evals = EvalResults.load(out / "eval.json") if steps["eval"].get("status") == "ok" else None
+    if evals is None and steps["eval"].get("status") == "ok":
+        evals = EvalResults.load(out / "eval.json")
     bench = _load(out / "bench.json") if steps["bench"].get("status") == "ok" else None
     ablation = ablation_table(bench) if bench else None
     gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, ablation, quant)
     kv = _load(out / "bench_kv.json") if bench else None
-    evidence = Evidence(steps, gates, evals, _load(out / "sequential.json"), quant, ablation,
+    evidence = Evidence(steps, gates, evals, sequential or _load(out / "sequential.json"), quant, ablation,
                         _load(out / "diagnose.json") if steps["diagnose"].get("status") == "ok" else None,
                         kv_layer=kv["layer"] | {"config": kv["config"]} if kv else None)
     report = decide(evidence, config=asdict(cfg), policy=policy, provenance=provenance(
