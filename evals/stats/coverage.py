@@ -30,8 +30,8 @@ from scipy.stats import norm
 from qtoolkit.progress import bar
 from qtoolkit.signoff.error_spending import ALPHA
 
+from . import at_bound, sequential_coverage
 from . import intervals as iv
-from . import sequential_coverage
 from .coverage_scenarios import Sample, Scenario
 
 ITEM_SIZES = (3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 32, 40, 64, 80, 164)  # 8, 16, 32, 64: the main job's looks
@@ -70,6 +70,11 @@ SCENARIOS = [  # calibrated: the spread of the default model's fp8-dynamic eval 
     Scenario("rounds-lognormal", "rounds", "calibrated", {"log_mean": 0.29, "log_sd": 0.13}),
     Scenario("rounds-heavy", "rounds", "stress", {"log_mean": 0.29, "log_sd": 0.13, "df": 4}),
 ]
+# the same shapes moved onto the default policy's bounds (evals/stats/at_bound.py): a ROUGE-L drop of 0.05 skews
+# the deltas far more than a drop near 0 does, and a pass@1 drop of 0.15 is where Newcombe's interval is judged
+# (KLD scales with its mean and NLL deltas shift with theirs, so theirs at the bound behave as above)
+SCENARIOS += [Scenario(f"at-bound-{s.name}", s.shape, s.kind, s.params) for s in at_bound.scenarios()
+              if s.family in ("bounded", "binary")]
 _CONTINUOUS = ("percentile", "bca", "studentized", "t")
 METHODS = {"kld": ("token_iid", *_CONTINUOUS), "kld-heavy": ("token_iid", *_CONTINUOUS), "nll": _CONTINUOUS,
            "bounded": _CONTINUOUS, "bounded-sparse": _CONTINUOUS, "binary": ("percentile", "newcombe"),
