@@ -21,8 +21,10 @@ from .stats.paired import confidence_level
 from .summary import TaskSummary
 
 
-def resummarize(path: Path, level_at: Callable[[int], float], task_options: dict[str, Any]) -> EvalResults:
-    """Every finished task of `path` summarized again; `level_at(items)` is the look level for that many items.
+def resummarize(path: Path, level_at: Callable[[int], float], looks: int, task_options: dict[str, Any]
+                ) -> EvalResults:
+    """Every finished task of `path` summarized again; `level_at(items)` is the look level for that many items
+    in a design of `looks` planned looks.
 
     Workload tasks (custom:NAME) need their files in `task_options["custom_data"]`, with the hash they were
     evaluated with: a task whose file is missing or changed cannot be judged again (one-line error)."""
@@ -43,7 +45,7 @@ def resummarize(path: Path, level_at: Callable[[int], float], task_options: dict
         if missing:
             raise QToolError(f"{path}: task {name} has no records for {len(missing)} of its {n} items "
                              f"(e.g. {missing[0]}): it cannot be judged again; rerun the sign-off")
-        with confidence_level(level_at(n), sided=True):
+        with confidence_level(level_at(n), looks=looks):
             summary = TaskSummary.from_json(task.summarize([entry["records"][i] for i in ids], seed=seed)).to_json()
         if "isolation" in entry["summary"]:
             summary["isolation"] = entry["summary"]["isolation"]

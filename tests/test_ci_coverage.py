@@ -12,7 +12,7 @@ from qtoolkit.evals.stats.paired import LABELS, coverage_at, paired_delta, ratio
 from qtoolkit.evals.summary import figure_from_json
 
 from qtoolkit.commands.signoff import DEFAULT_MAX_ITEMS
-from qtoolkit.signoff.gates import INCONCLUSIVE, judge_quality
+from qtoolkit.signoff.gates import INCONCLUSIVE, PASS, judge_quality
 from qtoolkit.signoff.policy import load_policy
 from qtoolkit.signoff.sequential import stages
 from qtoolkit.signoff.steps import SignoffConfig
@@ -23,10 +23,11 @@ GATED = ("kld", "nll", "bounded", "binary", "rounds")  # kld_mean, nll_delta, ro
 # checkpoint's measured bytes: a point, no sample)
 GATE_SHAPES = {"kld_mean": "kld", "nll_delta": "nll", "rougeL_drop": "bounded", "pass_at_1_drop": "binary",
                "min_speedup": "rounds"}
-# (shape, n) where the table's method misses 93%: Newcombe's paired interval covers 0.929 at 64 items in the worst
-# calibrated scenario (measurements/2026-12-01/ci-coverage.json; 0.952 at 40, 0.946 at 80: binary coverage is
-# not monotone in n)
-SHORT = {("binary", 64)}
+# (shape, n) where the table's method misses 93% (measurements/2026-12-04/issue39/ci-coverage.json): with the
+# ROUGE-L drop on its bound the deltas skew and no interval holds 93% at 8 or 16 items (Student t 0.907 / 0.930),
+# so the ROUGE-L gate decides from 32 items; Newcombe's continuity-corrected interval covers 0.926 at 12-16 items
+# with a pass@1 drop of 0.15 (0.935 at 64: binary coverage is not monotone in n)
+SHORT = {("bounded", 8), ("bounded", 16), ("binary", 12), ("binary", 16)}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,9 @@ def test_every_gated_statistic_keeps_coverage_at_the_main_jobs_sizes(measured, s
     for n in sizes:
         method = tab[shape]["method"][n]
         assert method not in coverage.LEGACY
+        if (shape, int(n)) in SHORT:  # below the bar here: the shipped table marks it unreliable (see SHORT)
+            assert not coverage_at(shape, int(n))[2]
+            continue
         assert tab[shape]["coverage"][method][n] >= coverage.TARGET, (shape, n, method, tab[shape]["coverage"])
 
 
@@ -59,7 +63,7 @@ def test_shipped_table_matches_a_rerun_and_marks_small_samples_unreliable(measur
     for shape in GATED:
         n = 5 if shape == "rounds" else 8
         method, cov, reliable = coverage_at(shape, n)
-        assert reliable and cov >= coverage.TARGET
+        assert reliable == ((shape, n) not in SHORT) and (cov >= coverage.TARGET) == reliable
         assert abs(cov - tab[shape]["coverage"][method][str(n)]) < 0.03  # 2,000 reduced runs vs the full table
     assert coverage_at("kld", 2) == (coverage_at("kld", 2)[0], None, False)  # below the table: nothing known
 
@@ -97,9 +101,11 @@ def test_every_default_policy_gate_reads_a_shape_the_table_vouches_for_at_the_ma
                 assert not reliable and cov < coverage.TARGET, (gate, n, cov)
                 continue
             assert reliable and cov >= coverage.TARGET and method not in coverage.LEGACY, (gate, n, method, cov)
-    # a pass@1 drop that looks well within its bound at 64 items still decides nothing there
-    fig = figure_from_json(paired_delta([1.0] * 32 + [0.0] * 32, [1.0] * 32 + [0.0] * 32, seed=0))
-    assert judge_quality(fig, -1.0, False, max_=0.15, min_=None).verdict == INCONCLUSIVE
+    # a pass@1 drop that looks well within its bound decides nothing at 16 items, and passes at 64
+    for n, verdict in ((16, INCONCLUSIVE), (64, PASS)):
+        fig = figure_from_json(paired_delta([1.0] * (n // 2) + [0.0] * (n // 2), [1.0] * (n // 2) + [0.0] * (n // 2),
+                                            seed=0))
+        assert judge_quality(fig, -1.0, False, max_=0.15, min_=None).verdict == verdict, n
 
 
 def test_the_figures_gates_read_take_the_method_of_their_shape():

@@ -1,6 +1,6 @@
 """The sequential design's overall error, reduced: with the truth on the bound, a gate judged over the main job's
-looks (8 -> 64 items) ends decisive (wrong) in at most 5% of 1,000 seeded simulated sign-offs, within a stated
-simulation tolerance; 95% at every look, the rule before, is shown to overrun it."""
+looks (8 -> 64 items) ends in a false PASS in at most 5% of 1,000 seeded simulated sign-offs and in a false FAIL in
+at most 5%, within a stated simulation tolerance; 95% at every look, the rule before, is shown to overrun it."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ def test_a_decisive_gate_is_wrong_at_most_5_percent_over_the_looks(measured, nam
     looks, results = measured
     r = results[name]
     assert r["looks"] == ([5] if name.startswith("rounds") else list(looks))
-    assert r["sequential"]["wrong_decisive"] <= ALPHA + TOLERANCE, (name, r["sequential"])
+    # each end held to 5%: for any truth off the bound only one of the two errors is possible
+    assert r["sequential"]["false_pass"] <= ALPHA + TOLERANCE, (name, r["sequential"])
+    assert r["sequential"]["false_fail"] <= ALPHA + TOLERANCE, (name, r["sequential"])
     per_look = r["sequential"]["looks"]
     assert sum(x["decided_here"] for x in per_look.values()) == pytest.approx(r["sequential"]["wrong_decisive"])
 

@@ -80,11 +80,10 @@ def test_report_states_the_overall_error_not_k_times_5_percent():
     text = error_statement(seq)
     assert "at most 5% over its 4 looks" in text and "Pocock" in text and "8 items 0.97%" in text
     assert "PASS end" in text and "truth exactly on the policy's bound" in text
-    assert "3% nominal" in text
     assert "K x 5%" not in text
     notes = reading([], None, seq)
     assert any("4 look(s)" in n and "at most 5% over its 4 looks" in n for n in notes)
-    assert error_statement(describe(looks[:1], 8)).startswith("One look, at 95%")
+    assert error_statement(describe(looks[:1], 8)).startswith("One look (8 items 5.00% error)")
     legacy = {"looks": seq["looks"][:3], "max_items": 64, "error_rate_bound": 0.15}  # sequential.json of before
     assert "K x 5% = 15%" in error_statement(legacy)
     assert look_level({"limit": 8, "max_items": 64}, 16) == pytest.approx(100 * design_of(8, 64).levels[1])

@@ -270,3 +270,28 @@ def test_several_candidate_endpoints_must_be_named_apart(tmp_path, capsys, args,
     out = tmp_path / "sweep"
     assert main(["signoff", *args, "--baseline-endpoint", "http://127.0.0.1:9/v1", "--output", str(out)]) == 2
     assert message in capsys.readouterr().err and not out.exists()
+
+
+def test_an_edited_data_file_is_evaluated_again(endpoints, int4_dir, tiny_model_dir, tmp_path, capsys):
+    """The eval step's key holds each --data file's sha256: a workload file edited in place between two runs into
+    the same folder is evaluated again, never reported 'up to date'."""
+    data = tmp_path / "work.jsonl"
+    lines = (Path(__file__).parents[1] / "evals" / "tasks" / "example-workload.jsonl").read_text().splitlines()
+    data.write_text("\n".join(lines[:2]) + "\n")
+    policy = tmp_path / "custom-only.yaml"
+    policy.write_text("version: 1\nname: custom-only\ntasks:\n  custom:\n    nll_delta: {max: 0.10}\n")
+    args = ["signoff", "--candidate-endpoint", endpoints["candidate"], "--baseline-endpoint", endpoints["baseline"],
+            "--model", str(int4_dir), "--baseline", str(tiny_model_dir), "--policy", str(policy), "--data", str(data),
+            "--limit", "2", "--max-items", "2", *LOAD, "--rounds", "2", "--output", str(tmp_path / "run")]
+    with env(**ROLE_ENV):
+        assert main(args) in (0, 1, 3)
+        capsys.readouterr()
+        assert main(args) in (0, 1, 3)
+        assert "eval: up to date" in capsys.readouterr().err  # same file, same code: reused
+        data.write_text("\n".join(lines[2:4]) + "\n")  # edited in place: other items under the same name
+        assert main(args) in (0, 1, 3)
+    err = capsys.readouterr().err
+    assert "eval: up to date" not in err and "eval: running" in err
+    records = json.loads((tmp_path / "run" / "eval.json").read_text())["tasks"]["custom:work"]["records"]
+    ids = {json.loads(x)["id"] for x in lines[2:4]}
+    assert set(records) == ids

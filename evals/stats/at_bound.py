@@ -19,8 +19,8 @@ interval method and reliability evals/stats/paired.py picks for each sample, eac
 A run is counted a false PASS when any look's interval puts its PASS end within the bound while the method is
 vouched for (reliable at that n, finite ends): the gate may be re-judged at later looks while another gate of its
 task is undecided, so "any look" bounds every stopping rule. False FAILs are counted the same way on the other
-end. `--table` writes, per statistic, the largest share of a look's error each end may spend (from SHARES) such
-that every cell's false PASS (false FAIL) stays within its target: 5% for a sign-off, the share for a sweep's
+end. `--table` writes, per statistic and schedule (one look, several looks), the largest share of a look's error
+each end may spend such that every cell's false PASS (false FAIL) stays within its target: 5% for a sign-off, the share for a sweep's
 candidate. The power check draws a clear pass@1 regression (drop 0.3 from a baseline share of 0.6) and counts
 how often the default design decides FAIL by 64 items.
 """
@@ -42,12 +42,13 @@ from scipy.stats import t as student_t
 from qtoolkit.progress import bar
 
 from . import intervals as iv
+from .at_bound_table import ONE_LOOK, SEVERAL_LOOKS
 from .coverage_scenarios import Sample, Scenario, _rouge_pairs
-from .paired import PASS_END, coverage_at, refine_shapes
+from .paired import N_RESAMPLES, PASS_END, coverage_at, refine_shapes
 
 ALPHA = 0.05  # the sign-off's claim: a decisive gate is wrong with probability at most 5%
 DEFAULT_LOOKS = (8, 16, 32, 64)  # qtool signoff's --limit 8, --max-items 64
-SHARES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1)  # candidate shares of a look's error, one end
+MAX_SHARE = 5.0  # no end spends more than 5x its look's nominal error, whatever the simulation allows
 BOUNDS = {"kld": 0.10, "nll": 0.10, "bounded": 0.05, "binary": 0.15}  # recipes/policies/default.yaml
 GATE_OF = {"kld": "kld_mean", "nll": "nll_delta", "bounded": "rougeL_drop", "binary": "pass_at_1_drop"}
 
@@ -245,9 +246,12 @@ def criticals(sc: Scenario, draws: Sample, resamples: int, seed: int, bound: flo
 
 
 def max_share(at: np.ndarray, alpha: float) -> float:
-    """The largest share s of `alpha` one end may spend with mean(at <= alpha s) <= alpha (the target)."""
+    """The largest share s of `alpha` one end may spend with mean(at <= alpha s) at most the target less two
+    Monte Carlo standard errors: the shares are chosen on these draws, so a margin keeps a fresh simulation
+    (tests/test_at_bound.py) within the target too."""
     srt = np.sort(at)
-    k = int(math.floor(alpha * at.size))  # at most k runs may fall at or under the spend
+    margin = 2 * math.sqrt(alpha * (1 - alpha) / at.size)
+    k = int(math.floor((alpha - margin) * at.size))  # at most k runs may fall at or under the spend
     if k >= at.size:
         return float("inf")
     return float(srt[k] / alpha) * (1 - 1e-9)
@@ -274,11 +278,12 @@ def simulate(runs: int, resamples: int, seed: int) -> tuple[dict[str, Any], dict
     return out, cells
 
 
-def rates_at(out: dict[str, Any], cells: dict[str, dict[str, Cell]], chosen: dict[str, tuple[float, float]]) -> None:
+def rates_at(out: dict[str, Any], cells: dict[str, dict[str, Cell]],
+             chosen: dict[str, dict[str, tuple[float, float]]]) -> None:
     """Each cell's false PASS and false FAIL rate at the chosen shares, into `out`."""
     for name, rows in out.items():
-        ps, fs = chosen[rows["statistic"]]
         for d in designs():
+            ps, fs = chosen[rows["statistic"]][schedule_of(d.name)]
             cell, row = cells[name][d.name], rows["designs"][d.name]
             row["false_pass"] = _rate(cell.pass_at <= d.alpha * ps)
             row["false_fail"] = _rate(cell.fail_at <= d.alpha * fs)
@@ -310,22 +315,40 @@ def power(fail_share: float, runs: int, resamples: int, seed: int) -> dict[str, 
     return out
 
 
-def choose(out: dict[str, Any]) -> dict[str, tuple[float, float]]:
-    """Per statistic, the share each end spends: the smallest cell's maximum, rounded down to 0.01, at most 1."""
-    chosen = {}
+def schedule_of(design: str) -> str:
+    return ONE_LOOK if "single look" in design else SEVERAL_LOOKS
+
+
+def _share(x: float) -> float:
+    """Rounded down to 0.01, at most MAX_SHARE (an end that never errs in the simulation gets MAX_SHARE)."""
+    return MAX_SHARE if not math.isfinite(x) else min(MAX_SHARE, math.floor(x * 100) / 100)
+
+
+def choose(out: dict[str, Any]) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per statistic and schedule (one look, several looks), the share of a look's error each end spends: the
+    smallest cell's maximum, rounded down to 0.01. A share above 1 spends more nominal error than the look has:
+    allowed where the simulation shows the end's actual error within target (Newcombe's interval is
+    conservative over several looks), since the guarantee is the simulated rate, not the nominal one."""
+    chosen: dict[str, dict[str, tuple[float, float]]] = {}
     for stat in GATE_OF:
-        rows = [r for r in out.values() if r["statistic"] == stat]
-        ps = min(c["max_pass_share"] for r in rows for c in r["designs"].values())
-        fs = min(c["max_fail_share"] for r in rows for c in r["designs"].values())
-        chosen[stat] = (min(1.0, math.floor(ps * 100) / 100), min(1.0, math.floor(fs * 100) / 100))
+        chosen[stat] = {}
+        for schedule in (ONE_LOOK, SEVERAL_LOOKS):
+            cells = [c for r in out.values() if r["statistic"] == stat
+                     for d, c in r["designs"].items() if schedule_of(d) == schedule]
+            ps = min(c["max_pass_share"] for c in cells)
+            fs = min(c["max_fail_share"] for c in cells)
+            chosen[stat][schedule] = (_share(ps), _share(fs))
     return chosen
 
 
-def table_text(chosen: dict[str, tuple[float, float]], command: str) -> str:
-    rows = ", ".join(f'"{k}": ({p}, {f})' for k, (p, f) in chosen.items())
+def table_text(chosen: dict[str, dict[str, tuple[float, float]]], command: str) -> str:
+    rows = "".join(f'    "{k}": {{ONE_LOOK: {v[ONE_LOOK]}, SEVERAL_LOOKS: {v[SEVERAL_LOOKS]}}},\n'
+                   for k, v in chosen.items())
     return ('"""Each gate statistic\'s split of a look\'s error between its PASS end and its FAIL end, written by\n'
             "evals/stats/at_bound.py from the simulation with the truth on the policy's bound: do not edit by hand.\n\n"
-            f"Regenerate with: {command}\n" + '"""\n\n' + f"SIDE_SHARES = {{{rows}}}\n")
+            f"Regenerate with: {command}\n" + '"""\n\n' + 'ONE_LOOK, SEVERAL_LOOKS = "one look", "several looks"\n'
+            "# statistic -> schedule -> (share of a look's error spent by the PASS end, by the FAIL end)\n"
+            f"SIDE_SHARES = {{\n{rows}}}\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path, required=True, help="JSON file for the measured rates")
     p.add_argument("--table", type=Path, help="also write the shipped split (evals/stats/at_bound_table.py)")
     p.add_argument("--runs", type=int, default=20_000)
-    p.add_argument("--resamples", type=int, default=1000)
+    p.add_argument("--resamples", type=int, default=N_RESAMPLES, help="bootstrap resamples (the sign-off's own)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.runs < 100 or a.resamples < 100:
@@ -343,16 +366,16 @@ def main(argv: list[str] | None = None) -> int:
     chosen = choose(sims)
     rates_at(sims, cells, chosen)
     fam = {stat: family_of_three(next(s for s in scenarios() if s.family == stat and s.name == worst_pass(sims, stat)),
-                                 chosen[stat][0], a.runs, a.resamples, a.seed) for stat in GATE_OF}
+                                 chosen[stat][SEVERAL_LOOKS][0], a.runs, a.resamples, a.seed) for stat in GATE_OF}
     command = (f"python -m qtoolkit.evals.stats.at_bound --output {a.output} --runs {a.runs} --resamples "
                f"{a.resamples} --seed {a.seed}" + (f" --table {a.table}" if a.table else ""))
     a.output.parent.mkdir(parents=True, exist_ok=True)
     a.output.write_text(json.dumps({
         "command": command, "runs": a.runs, "resamples": a.resamples, "seed": a.seed, "alpha": ALPHA,
         "seconds": round(time.time() - t0, 1), "bounds": BOUNDS,
-        "chosen_shares": {k: {"pass_end": v[0], "fail_end": v[1]} for k, v in chosen.items()},
+        "chosen_shares": {k: {s: {"pass_end": p, "fail_end": f} for s, (p, f) in v.items()} for k, v in chosen.items()},
         "worst": {stat: worst_cells(sims, stat) for stat in GATE_OF},
-        "family_of_three_on_bound": fam, "power_pass_at_1": power(chosen["binary"][1], a.runs, a.resamples, a.seed),
+        "family_of_three_on_bound": fam, "power_pass_at_1": power(chosen["binary"][SEVERAL_LOOKS][1], a.runs, a.resamples, a.seed),
         "scenarios": sims}, indent=1) + "\n")
     if a.table:
         a.table.write_text(table_text(chosen, command))

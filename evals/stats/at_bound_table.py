@@ -1,7 +1,14 @@
 """Each gate statistic's split of a look's error between its PASS end and its FAIL end, written by
 evals/stats/at_bound.py from the simulation with the truth on the policy's bound: do not edit by hand.
 
-(placeholder until the simulation writes it: an even split, the two-sided interval the sign-off used before)
+Regenerate with: python -m qtoolkit.evals.stats.at_bound --output measurements/2026-12-04/issue39/at-bound.json --runs 20000 --resamples 2000 --seed 0 --table evals/stats/at_bound_table.py
 """
 
-SIDE_SHARES = {"kld": (0.5, 0.5), "nll": (0.5, 0.5), "bounded": (0.5, 0.5), "binary": (0.5, 0.5)}
+ONE_LOOK, SEVERAL_LOOKS = "one look", "several looks"
+# statistic -> schedule -> (share of a look's error spent by the PASS end, by the FAIL end)
+SIDE_SHARES = {
+    "kld": {ONE_LOOK: (0.07, 0.99), SEVERAL_LOOKS: (0.09, 1.47)},
+    "nll": {ONE_LOOK: (0.16, 0.86), SEVERAL_LOOKS: (0.19, 1.03)},
+    "bounded": {ONE_LOOK: (0.5, 1.07), SEVERAL_LOOKS: (0.28, 2.11)},
+    "binary": {ONE_LOOK: (0.44, 1.01), SEVERAL_LOOKS: (0.02, 2.1)},
+}

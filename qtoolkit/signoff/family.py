@@ -81,10 +81,10 @@ def judge_at(alpha: float, folder: Path, levels: dict[int, float], resummarize: 
         for task, result in EvalResults.load(source).tasks.items():
             # the look the task stopped at (a workload file shorter than a look stops between them: the next)
             level = next((lv for n, lv in sorted(levels.items()) if result.items <= n), min(levels.values()))
-            with confidence_level(level, sided=True):  # every interval of the rebuilt summary at the family-wise look level
+            with confidence_level(level, looks=len(levels)):  # every interval of the rebuilt summary at the family-wise look level
                 evaluate(resummarize(copy, task, result.items))
         evals = EvalResults.load(copy)
-    with confidence_level(1 - alpha, sided=True):
+    with confidence_level(1 - alpha, looks=len(levels)):
         gates = rejudge(evals, 1 - alpha)
     verdict = verdicts.overall([(g.verdict, g.required) for g in gates]) if gates else verdicts.INCONCLUSIVE
     return FamilyJudgement(alpha, verdict, gates)

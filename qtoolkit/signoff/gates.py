@@ -136,12 +136,13 @@ def overall(verdicts: list[tuple[str, bool]]) -> str:
     return PASS
 
 
-RULE = ("Each gate is judged on its interval (95% when judged once; a quality gate judged over several looks uses "
-        "each look's own level, below): PASS when the end worst for the candidate is within the bound, "
-        "FAIL when the whole interval is beyond it, INCONCLUSIVE when it straddles the bound or the interval "
-        "method is unreliable at this many items; NO EVIDENCE when the metric cannot discriminate on this model "
-        "(never a PASS). Overall: FAIL if any gate fails, else INCONCLUSIVE if a required gate is inconclusive "
-        "or without evidence, else PASS; ERROR when a step failed. Exit codes: 0 PASS, 1 FAIL, 2 ERROR, 3 INCONCLUSIVE.")
+RULE = ("Each gate is judged on its interval. A quality gate's two ends are computed apart, each at its own share of "
+        "the look's error (below): PASS when the end worst for the candidate is within the bound, FAIL when the end "
+        "best for it is beyond the bound (the whole interval), INCONCLUSIVE when the interval straddles the bound "
+        "or the interval method is unreliable at this many items; NO EVIDENCE when the metric cannot discriminate "
+        "on this model (never a PASS). Overall: FAIL if any gate fails, else INCONCLUSIVE if a required gate is "
+        "inconclusive or without evidence, else PASS; ERROR when a step failed. Exit codes: 0 PASS, 1 FAIL, "
+        "2 ERROR, 3 INCONCLUSIVE.")
 
 
 AT_BOUND = "measurements/2026-12-04/issue39/at-bound.json"  # the simulation the split below rests on
@@ -153,7 +154,8 @@ def side_split() -> str:
         SIDE_SHARES,  # numpy-free, but kept out of `qtool --help`'s imports
     )
     names = {"kld": "KLD", "nll": "NLL", "bounded": "ROUGE-L", "binary": "pass@1"}
-    return ", ".join(f"{names.get(k, k)} {p:.0%}/{f:.0%}" for k, (p, f) in SIDE_SHARES.items())
+    return "; ".join(f"{names.get(k, k)} " + ", ".join(f"{p:.0%}/{f:.0%} ({s})" for s, (p, f) in v.items())
+                     for k, v in SIDE_SHARES.items())
 
 
 def error_statement(sequential: dict[str, Any]) -> str:

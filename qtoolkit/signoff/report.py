@@ -290,7 +290,7 @@ def quality_lines(evals: EvalResults, level_at: Callable[[int | None], float] = 
     for task, result in evals.tasks.items():
         s = result.summary or TaskSummary.from_json(None)
         lines.append(f"**{task}** ({result.items} items)")
-        lines += ["", f"| metric | candidate | baseline | delta | CI (look error {100 - level_at(result.items):.3g}%) |",
+        lines += ["", f"| metric | candidate | baseline | delta | CI (look error {100 - level_at(result.items):.2f}%) |",
                   "|---|---|---|---|---|"]
         for k, d in s.deltas().items():
             lo, hi = d.ci.bounds or (None, None)

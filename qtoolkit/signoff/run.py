@@ -262,7 +262,7 @@ def _rejudge(cfg: SignoffConfig, policy: Policy, out: Path) -> dict[str, Any]:
         _check_rejudge_data(EvalResults.load(out / "eval.json"), cfg.data)
         planned = ((sequential or {}).get("design") or {}).get("planned_items") or [cfg.limit]
         design = plan(planned)
-        evals = resummarize(out / "eval.json", design.level_at, cfg.task_options())
+        evals = resummarize(out / "eval.json", design.level_at, len(design.items), cfg.task_options())
         if sequential is not None:
             sequential = describe_design(sequential, design)
     return _decide(cfg, policy, recipe, {"spec": cfg.model}, out, results, quant, evals=evals,

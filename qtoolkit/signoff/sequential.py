@@ -52,7 +52,7 @@ def draw_until_decisive(run: Callable[[int, bool, list[str] | None], None],
     for i, (items, level) in enumerate(zip(design.items, design.levels, strict=True)):
         if i:
             tasks = sorted({g.task for g in looks[-1].undecided})
-        with confidence_level(level, sided=True):  # every interval this look's eval computes uses the look's level
+        with confidence_level(level, looks=len(design.items)):  # every interval this look's eval computes uses the look's level
             run(items, not resume and i == 0, tasks)
             undecided, failed = judge()
         looks.append(Look(items, undecided, failed, level))
