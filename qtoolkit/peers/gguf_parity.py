@@ -61,6 +61,9 @@ class GreedyCase:
     prompt: str
     llama_cpp: list[int]
     qtool: list[int]
+    # where they part: llama.cpp's logit of its own token minus that of qtool's, from llama.cpp's batched
+    # evaluation of the prompt and the common prefix (negative: batched llama.cpp picks qtool's token)
+    llama_cpp_gap: float | None = None
 
     @property
     def equal(self) -> bool:
@@ -123,7 +126,14 @@ def run(path: Path, max_kld_tokens: int = 320) -> ParityReport:
         # llm.generate never ends by itself: take GREEDY_TOKENS of its stream
         want = list(itertools.islice(llm.generate(prompt_ids, temp=0.0, top_k=1, reset=True), GREEDY_TOKENS))
         got = engine.generate([prompt_ids], params)[0].token_ids
-        greedy.append(GreedyCase(prompt, [int(t) for t in want], [int(t) for t in got]))
+        case = GreedyCase(prompt, [int(t) for t in want], [int(t) for t in got])
+        if not case.equal and len(got) == len(want):
+            j = next(i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b)
+            llm.reset()
+            llm.eval(prompt_ids + case.llama_cpp[:j])
+            row = np.asarray(llm.scores[len(prompt_ids) + j - 1])
+            case.llama_cpp_gap = float(row[want[j]] - row[got[j]])
+        greedy.append(case)
     llm.reset()
     llm.eval(ids)
     ref = torch.from_numpy(np.asarray(llm.scores[:len(ids)], dtype=np.float32))
