@@ -93,7 +93,7 @@ class ParityReport:
 def kld_text() -> str:
     """Real text shipped by packages: the first HumanEval problem with its solution, then ACLSum test abstracts."""
     p = humaneval_problems()[0]
-    parts = [p["prompt"] + p["canonical_solution"]] + [d["abstract"] for d in aclsum_items("test")[:3]]
+    parts = [p["prompt"] + p["canonical_solution"]] + [d["abstract"] for d in aclsum_items("test")[:6]]
     return "\n\n".join(parts)
 
 
@@ -103,10 +103,15 @@ def _llama(path: Path, **kw):
     return llama_cpp.Llama(str(path), verbose=False, n_threads=max(1, min(2, os.cpu_count() or 1)), seed=0, **kw)
 
 
-def kl_divergence(base_logits: torch.Tensor, new_logits: torch.Tensor) -> torch.Tensor:
-    """Per row sum_v p_base(v) (log p_base(v) - log p_new(v)), in nats."""
-    lb, ln = base_logits.double().log_softmax(-1), new_logits.double().log_softmax(-1)
-    return (lb.exp() * (lb - ln)).sum(-1)
+def kl_divergence(base_logits: torch.Tensor, new_logits: torch.Tensor, rows: int = 64) -> torch.Tensor:
+    """Per row sum_v p_base(v) (log p_base(v) - log p_new(v)), in nats; `rows` at a time in float64 (a 262k
+    vocabulary makes a few hundred rows gigabytes)."""
+    out = []
+    for i in range(0, base_logits.shape[0], rows):
+        lb = base_logits[i:i + rows].double().log_softmax(-1)
+        ln = new_logits[i:i + rows].double().log_softmax(-1)
+        out.append((lb.exp() * (lb - ln)).sum(-1))
+    return torch.cat(out)
 
 
 def run(path: Path, max_kld_tokens: int = 320) -> ParityReport:
@@ -150,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qtoolkit.peers.gguf_parity", description=__doc__.split("\n")[0])
     p.add_argument("gguf", type=Path)
     p.add_argument("--out", type=Path, help="write the report as JSON here")
+    p.add_argument("--tokens", type=int, default=320, help="tokens of real text scored for the KL divergence")
     args = p.parse_args(argv)
-    report = run(args.gguf)
+    report = run(args.gguf, args.tokens)
     data = report.to_json()
     if args.out:
         write_json(args.out, data)
