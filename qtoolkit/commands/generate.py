@@ -47,8 +47,11 @@ def run(args: argparse.Namespace) -> int:
     if args.chat:
         if not engine.tokenizer.chat_template:
             raise EngineInputError(f"{engine.model_name} has no chat template: drop --chat")
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                        add_generation_prompt=True) for p in prompts]
+        # the template writes the file's <bos> itself: its text is tokenized without adding another (as the
+        # server does), or a GGUF whose tokenizer adds <bos> (Gemma) would read two
+        prompts = [engine.tokenizer(engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False).input_ids for p in prompts]
     if len(prompts) == 1:
         engine.add_request("cli", prompts[0], params)
         while engine.has_unfinished_requests():

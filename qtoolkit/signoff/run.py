@@ -27,6 +27,7 @@ from ..io import write_json
 from ..model.llama import ModelConfig
 from ..model.sources import ModelSource, resolve_model
 from ..provenance import provenance
+from ..quantize.plausibility import check_source
 from ..quantize.recipe import Recipe, load_recipe
 from ..quantize.report import QuantizeReport
 from ..quantize.run import quantize
@@ -95,6 +96,7 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
         return _rejudge(cfg, policy, out)
     recipe = load_recipe(cfg.recipe)
     source = resolve_model(cfg.model)
+    check_source(source)  # a GGUF read wrong decodes to garbage: refused before anything is signed off
     _check_speculative(cfg.speculative, source)
     out.mkdir(parents=True, exist_ok=True)
     run = _Run(cfg, policy, recipe, source, out, StepRunner(out))

@@ -30,6 +30,7 @@ from ..evals.summary import RoundsRatio
 from ..io import write_json
 from ..model.sources import ModelSource, resolve_model
 from ..progress import status
+from ..quantize.plausibility import check_source
 from ..quantize.recipe import Recipe, load_recipe
 from . import gates as verdicts
 from . import workload as custom_signoff
@@ -73,6 +74,7 @@ def signoff_sweep(cfg: SignoffConfig) -> dict[str, Any]:
     if len(set(names)) != len(names):
         raise QToolError(f"--recipe names a recipe twice ({', '.join(names)}): list each candidate once")
     source = resolve_model(cfg.model)
+    check_source(source)  # a GGUF read wrong decodes to garbage: refused before anything is signed off
     _check_speculative(cfg.speculative, source)
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
