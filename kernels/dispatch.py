@@ -55,7 +55,7 @@ TRITON_DECODE_MAX_M = 32
 
 
 # Kernel codes of the fused decode loop (kernels/cpu_decode.cpp): the kernel a Linear takes for a few rows.
-GEMV_DENSE, GEMV_INT4, GEMV_INT8, GEMV_FP8, GEMV_INT4_R8, GEMV_INT8_R8 = 0, 1, 2, 3, 4, 5
+GEMV_DENSE, GEMV_INT4, GEMV_INT8, GEMV_FP8, GEMV_INT4_R8, GEMV_INT8_R8, GEMV_FP8_R8 = 0, 1, 2, 3, 4, 5, 6
 
 
 @dataclass(frozen=True)
@@ -69,26 +69,47 @@ class BoundGemv:
 
 
 def bind_cpu_gemv(layer) -> BoundGemv | None:
-    """The CPU GEMV of a weight-only INT4 or INT8 layer and its arguments, bound once at load: a decode step makes
-    ~120 of these calls, and finding them per call (buffer lookups through nn.Module.__getattr__) costs ~10 us
-    each. The kernels read a row-interleaved copy of the weight (R8, kernels/cpu_kernels.cpp) made here once: the
+    """The CPU GEMV of an INT4, INT8 or FP8 layer and its arguments, bound once at load: a decode step makes ~120
+    of these calls, and finding them per call (buffer lookups through nn.Module.__getattr__) costs ~10 us each.
+    The kernels read a row-interleaved copy of the weight (R8, kernels/cpu_kernels.cpp) made here once: the
     checkpoint layout stays the module's buffer (prefill, GPU, saving), so these weights take twice their bytes
-    in host memory; a decode step reads only the copy. QTOOLKIT_CPU_R8=0 binds the kernels on the checkpoint
-    layout instead (for A/B measurements)."""
+    in host memory; a decode step reads only the copy. A layer that quantizes its activations per token (FP8
+    dynamic, INT8 W8A8) gets the GEMV behind the same quantize-dequantize the other paths run, so the bound call
+    gives the reference semantics' activations. QTOOLKIT_CPU_R8=0 binds the kernels on the checkpoint layout
+    instead (for A/B measurements; weight-only INT4 only, as before the R8 copies)."""
     ext = cpu.cpu_kernels()  # looked up through kernels.cpu, where the torch-fallback tests switch it off
-    if ext is None or layer.act is not None or layer.qweight.is_cuda:
+    if ext is None or layer.qweight.is_cuda or (layer.act is not None and engine_ops() is None):
         return None
     r8 = os.environ.get("QTOOLKIT_CPU_R8", "1") != "0"
     args = (layer.qweight, layer.scales, layer.zeros, layer.group_size)
+    bound = None
     if layer.kind == "int4" and cpu.int4_fast_ok(layer.in_features, layer.group_size):
         if not r8:
-            return BoundGemv(ext.int4_matmul, args, INT4_GEMV_MAX_M, GEMV_INT4)
-        return BoundGemv(ext.int4_matmul_r8, (*ext.int4_repack_r8(*args), layer.group_size), INT4_GEMV_MAX_M,
-                         GEMV_INT4_R8)
-    if layer.kind == "int8" and cpu.int8_fast_ok(layer.in_features, layer.group_size) and r8:
-        return BoundGemv(ext.int8_matmul_r8, (*ext.int8_repack_r8(*args), layer.group_size), GEMV_MAX_M,
-                         GEMV_INT8_R8)
-    return None
+            bound = BoundGemv(ext.int4_matmul, args, INT4_GEMV_MAX_M, GEMV_INT4)
+        else:
+            bound = BoundGemv(ext.int4_matmul_r8, (*ext.int4_repack_r8(*args), layer.group_size), INT4_GEMV_MAX_M,
+                              GEMV_INT4_R8)
+    elif layer.kind == "int8" and cpu.int8_fast_ok(layer.in_features, layer.group_size) and r8:
+        bound = BoundGemv(ext.int8_matmul_r8, (*ext.int8_repack_r8(*args), layer.group_size), GEMV_MAX_M,
+                          GEMV_INT8_R8)
+    elif layer.kind == "fp8" and layer.in_features % 4 == 0 and layer.group_size == layer.in_features and r8:
+        repacked = ext.fp8_repack_r8(layer.qweight.view(torch.uint8), layer.scales.reshape(-1))
+        bound = BoundGemv(ext.fp8_matmul_r8, (*repacked, layer.in_features), FP8_GEMV_MAX_M, GEMV_FP8_R8)
+    if bound is None or layer.act is None:
+        return bound
+    if layer.kind == "int4":  # no INT4 scheme quantizes activations; keep the general path if one ever does
+        return None
+    return BoundGemv(_after_fake_quant(bound.fn, layer.act == "float"), bound.args, bound.max_rows, bound.code)
+
+
+def _after_fake_quant(gemv: Callable, fp8: bool) -> Callable:
+    """gemv behind the per-token activation quantize-dequantize (the one engine op _fake_quant_tokens runs)."""
+    fake_quant = engine_ops().fake_quant_tokens
+
+    def run(x: torch.Tensor, *args) -> torch.Tensor:
+        return gemv(fake_quant(x, fp8), *args)
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -178,12 +199,12 @@ def _fake_quant_tokens(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 def _cpu(x2: torch.Tensor, layer) -> torch.Tensor:
     x2 = x2.float().contiguous()
+    m = x2.shape[0]
+    if layer.cpu_gemv is not None and m <= layer.gemv_max_m:  # the bound GEMV (activations quantized inside)
+        return layer.cpu_gemv(x2, *layer.gemv_args)
     if layer.act is not None:
         x2 = _fake_quant_tokens(x2, layer.act)
     zeros = layer.zeros if layer.zeros.numel() else None
-    m = x2.shape[0]
-    if layer.cpu_gemv is not None and m <= layer.gemv_max_m:  # the bound GEMV, as quant_linear's 2-D path takes
-        return layer.cpu_gemv(x2, *layer.gemv_args)
     if layer.kind == "int4":
         return cpu.int4_linear(x2, layer.qweight, layer.scales, zeros, layer.group_size, gemv=m <= INT4_GEMV_MAX_M)
     if layer.kind == "int8":
