@@ -298,9 +298,20 @@ torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scales, torch:
         const float off = 8.f + (z ? z[n * G + g] : 0);
         const uint8_t* wb = w + n * (K / 2) + g * group / 2;
         float* ob = o + n * K + g * group;
-        for (int64_t b = 0; b < group / 2; ++b) {
-          ob[2 * b] = (static_cast<float>(wb[b] & 0x0F) - off) * sc;
-          ob[2 * b + 1] = (static_cast<float>(wb[b] >> 4) - off) * sc;
+        // 16 bytes (32 weights) at a time: nibbles split, interleaved back into element order, then the scalar
+        // loop's (nibble - offset) * scale in 8 lanes (same bits); a scalar loop here cost a quarter of an
+        // INT4 prefill's sgemm time on the default model's layers
+        const __m256 vs = _mm256_set1_ps(sc), voff = _mm256_set1_ps(off);
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        for (int64_t b = 0; b < group / 2; b += 16) {
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + b));
+          const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+          const __m128i e[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
+          for (int h = 0; h < 2; ++h)
+            for (int q = 0; q < 2; ++q) {
+              const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q ? _mm_srli_si128(e[h], 8) : e[h]));
+              _mm256_storeu_ps(ob + 2 * b + 16 * h + 8 * q, _mm256_mul_ps(_mm256_sub_ps(f, voff), vs));
+            }
         }
       }
     }
@@ -362,6 +373,44 @@ torch::Tensor fp8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales)
     }
   });
   return y;
+}
+
+// fp32 [N, K] weight from an int8 weight with group scales [N, K/group] and optional int8 zero points (prefill
+// path), into `out` when given: (q - z) * s, the operations of kernels/cpu.py dequantize_int8 in its order (same
+// bits), vectorized instead of five torch ops and their temporaries over the whole weight.
+torch::Tensor int8_dequantize(torch::Tensor q, torch::Tensor scales, torch::Tensor zeros, int64_t group,
+                              c10::optional<torch::Tensor> out_buf) {
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "w must be contiguous int8 2-D");
+  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(group > 0 && K % group == 0, "group must divide K");
+  const int64_t G = K / group;
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N * G,
+              "scales must be contiguous fp32 [N, K/group]");
+  const bool asym = zeros.defined() && zeros.numel();
+  TORCH_CHECK(!asym || (zeros.dtype() == torch::kInt8 && zeros.is_contiguous() && zeros.numel() == N * G),
+              "zeros must be int8 shaped like scales");
+  auto out = dequant_output(out_buf, N, K);
+  const int8_t* w = q.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  const int8_t* z = asym ? zeros.data_ptr<int8_t>() : nullptr;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, rows_per_task(N, K), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t g = 0; g < G; ++g) {
+        const float sc = s[n * G + g], zp = z ? static_cast<float>(z[n * G + g]) : 0.f;
+        const __m256 vs = _mm256_set1_ps(sc), vz = _mm256_set1_ps(zp);
+        const int8_t* wb = w + n * K + g * group;
+        float* ob = o + n * K + g * group;
+        int64_t k = 0;
+        for (; k + 8 <= group; k += 8) {
+          __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + k))));
+          if (z) f = _mm256_sub_ps(f, vz);
+          _mm256_storeu_ps(ob + k, _mm256_mul_ps(f, vs));
+        }
+        for (; k < group; ++k) ob[k] = (z ? static_cast<float>(wb[k]) - zp : static_cast<float>(wb[k])) * sc;
+      }
+  });
+  return out;
 }
 
 // fp32 [N, K] weight from FP8 bytes and per-row scales (prefill path), into `out` when given (see above).
@@ -1050,6 +1099,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("zeros"), py::arg("group"), py::arg("out") = py::none());
   m.def("int8_matmul", &int8_matmul, "int8 weight x fp32 matmul (AVX2, int8 activation blocks)");
   m.def("fp8_matmul", &fp8_matmul, "FP8 E4M3 weight x fp32 matmul (AVX2 + F16C)");
+  m.def("int8_dequantize", &int8_dequantize, "int8 weight (group scales, optional zero points) -> fp32",
+        py::arg("q"), py::arg("scales"), py::arg("zeros"), py::arg("group"), py::arg("out") = py::none());
   m.def("fp8_dequantize", &fp8_dequantize, "FP8 E4M3 weight -> fp32", py::arg("w"), py::arg("scales"),
         py::arg("out") = py::none());
 }
