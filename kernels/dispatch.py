@@ -197,11 +197,29 @@ def _fake_quant_tokens(x: torch.Tensor, kind: str) -> torch.Tensor:
     return q.float() * scale
 
 
+def int8_int8_ok(layer) -> bool:
+    """W8A8 layers whose prefill multiplies int8 by int8 (torch._int_mm, oneDNN's VNNI GEMM on x86): symmetric
+    per-channel weights, so one scale per output column and one per token factor out of the integer sums."""
+    return (layer.kind == "int8" and layer.act == "int" and not layer.zeros.numel()
+            and layer.group_size == layer.in_features and hasattr(torch, "_int_mm"))
+
+
+def _int8_int8(x2: torch.Tensor, layer) -> torch.Tensor:
+    """x quantized per token as the reference does (q, s_x), then (q @ W_q^T) * s_x * s_w: the reference's
+    quantize-dequantize activations times the dequantized weight, with the sums exact in int32 instead of
+    rounded in fp32 (on the default model's layers at 256-1024 rows, 2-4x fp32 sgemm's speed)."""
+    q, sx = quantize_activations(x2, "int")
+    acc = torch._int_mm(q, layer.qweight.t())
+    return acc.float() * sx * layer.scales.reshape(1, -1)
+
+
 def _cpu(x2: torch.Tensor, layer) -> torch.Tensor:
     x2 = x2.float().contiguous()
     m = x2.shape[0]
     if layer.cpu_gemv is not None and m <= layer.gemv_max_m:  # the bound GEMV (activations quantized inside)
         return layer.cpu_gemv(x2, *layer.gemv_args)
+    if int8_int8_ok(layer):
+        return _int8_int8(x2, layer)
     if layer.act is not None:
         x2 = _fake_quant_tokens(x2, layer.act)
     zeros = layer.zeros if layer.zeros.numel() else None

@@ -49,3 +49,26 @@ def test_whole_layer_and_blocked_prefill_agree(monkeypatch):
     blocked = cpu.int8_linear(x, q, scales, None, k, gemv=False)
     torch.testing.assert_close(whole, blocked, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(whole, x @ (q.float() * scales).t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(17, 45, 256), (300, 96, 576), (40, 7, 20)])
+def test_w8a8_prefill_multiplies_int8_by_int8_with_the_reference_activations(m, n, k, monkeypatch):
+    """A W8A8 layer's prefill quantizes activations per token as the reference does and sums int8 products exactly
+    (torch._int_mm); only the final scaling rounds, so it sits within fp32 rounding of the reference."""
+    from qtoolkit.kernels import dispatch
+    from qtoolkit.kernels import scheme as S
+    from qtoolkit.kernels.reference import quantize_weight, reference_linear
+
+    from qtoolkit.model.quant_linear import make_linear
+
+    g = torch.Generator().manual_seed(m)
+    t = quantize_weight(torch.randn(n, k, generator=g) * 0.05, S.w8a8_int())
+    lin = make_linear(t, S.w8a8_int())
+    assert dispatch.int8_int8_ok(lin)
+    calls = []
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.dtype) or torch.ops.aten._int_mm(a, b))
+    x = torch.randn(m, k, generator=g) * 2
+    y = lin(x)
+    assert calls == [torch.int8]
+    ref = reference_linear(x, t, S.w8a8_int(), None)
+    assert float((y - ref).norm() / ref.norm()) < 1e-6
