@@ -40,7 +40,7 @@ namespace qe {
 namespace {
 
 // kind codes of kernels/dispatch.py GemvSpec
-constexpr int64_t DENSE = 0, INT4 = 1, INT8 = 2, FP8 = 3, INT4_R8 = 4, INT8_R8 = 5;
+constexpr int64_t DENSE = 0, INT4 = 1, INT8 = 2, FP8 = 3, INT4_R8 = 4, INT8_R8 = 5, FP8_R8 = 6;
 
 struct Linear {
   int64_t kind = DENSE, group = 0, act = -1;  // act: -1 weight-only, 0 int8 / 1 FP8 per-token activations
@@ -52,6 +52,7 @@ struct Linear {
     if (kind == DENSE) y = qe::dense_gemv(x, weight, qe::DENSE_AUTO);
     else if (kind == INT4_R8) y = qk::int4_matmul_r8(x.contiguous(), weight, scales, zeros, group, -1);
     else if (kind == INT8_R8) y = qk::int8_matmul_r8(x.contiguous(), weight, scales, zeros, group, -1);
+    else if (kind == FP8_R8) y = qk::fp8_matmul_r8(x.contiguous(), weight, scales, zeros, group, -1);
     else if (kind == INT4) y = qk::int4_matmul(x.contiguous(), weight, scales, zeros, group);
     else if (kind == INT8) y = qk::int8_matmul(x.contiguous(), weight, scales, zeros, group);
     else y = qk::fp8_matmul(x.contiguous(), weight, scales);
@@ -182,20 +183,21 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int t, int P) { return {n * 
 inline int64_t unit_rows(const Linear& L) { return L.kind == DENSE ? 1 : 8; }
 inline int64_t units(const Linear& L) { return (L.weight.size(0) + unit_rows(L) - 1) / unit_rows(L); }
 inline int64_t in_features(const Linear& L) { return L.kind == INT4_R8 ? L.weight.size(1) * 2 : L.weight.size(1); }
-inline int64_t unit_bytes(const Linear& L) {  // R8: 8 rows of K/2 (INT4) or K (INT8) bytes
+inline int64_t unit_bytes(const Linear& L) {  // R8: 8 rows of K/2 (INT4) or K (INT8, FP8) bytes
   return L.kind == DENSE ? L.weight.size(1) * 4 : 8 * L.weight.size(1);
 }
 
-// The kernels the single-row path runs: weight-only R8 INT4/INT8 or contiguous fp32, fp32 scales and bias.
+// The kernels the single-row path runs: R8 INT4/INT8/FP8 or contiguous fp32, fp32 scales and bias; quantized
+// weights with or without per-token activation quantization (each thread quantizes its own copy of the row).
 inline bool row_path_ok(const Linear& L) {
-  const bool weight = L.kind == INT4_R8 ? L.weight.scalar_type() == torch::kByte
+  const bool weight = L.kind == INT4_R8 || L.kind == FP8_R8 ? L.weight.scalar_type() == torch::kByte
                     : L.kind == INT8_R8 ? L.weight.scalar_type() == torch::kChar
                     : L.kind == DENSE && L.weight.scalar_type() == torch::kFloat && L.weight.is_contiguous();
   const bool scales = L.kind == DENSE ||
       ((L.scales.scalar_type() == torch::kFloat || (L.kind == INT4_R8 && L.scales.scalar_type() == torch::kBFloat16))
        && (L.zeros.numel() == 0 || L.zeros.scalar_type() == torch::kChar));
   const bool bias = !L.bias.defined() || (L.bias.scalar_type() == torch::kFloat && L.bias.is_contiguous());
-  return L.act < 0 && weight && scales && bias;
+  return (L.act < 0 || L.kind != DENSE) && weight && scales && bias;
 }
 
 inline void prefetch_units(const Linear& L, int64_t u0) {
@@ -203,9 +205,18 @@ inline void prefetch_units(const Linear& L, int64_t u0) {
   for (int64_t o = 0; o < NEXT_PREFETCH; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
 }
 
-// The activations of x as L's kernel reads them (R8: int8 blocks; dense: x itself).
-inline void prepare(const Linear& L, const float* x, qk::R8Activations& a) {
-  if (L.kind != DENSE) qk::quantize_r8(x, 1, in_features(L), a, L.kind == INT4_R8);
+// The row as L's kernel reads it: per-token quantize-dequantized into `xq` first when L quantizes its
+// activations (fake_quant_tokens' operations on one row: the batched path's bits), then for the INT4/INT8
+// kernels int8 blocks in `a`. Returns the fp32 row the kernel reads (dense, FP8).
+inline const float* prepare(const Linear& L, const float* x, qk::R8Activations& a, std::vector<float>& xq) {
+  const int64_t K = in_features(L);
+  if (L.act >= 0) {
+    xq.resize(K);
+    qe::fake_quant_row(x, K, L.act == 1, xq.data());
+    x = xq.data();
+  }
+  if (L.kind == INT4_R8 || L.kind == INT8_R8) qk::quantize_r8(x, 1, K, a, L.kind == INT4_R8);
+  return x;
 }
 
 // Output units [u0, u1) of y = L(x) for one row, bias included (added after the dot product, as y + bias).
@@ -214,6 +225,9 @@ void gemv_units(const Linear& L, int64_t isa, const float* x, const qk::R8Activa
   const int64_t N = L.weight.size(0), K = in_features(L);
   if (L.kind == DENSE) {
     qe::gemv_span_f32(qe::DENSE_AUTO, x, 1, K, L.weight.data_ptr<float>(), N, y, u0, u1);
+  } else if (L.kind == FP8_R8) {
+    qk::fp8_r8_span(qk::fp8_auto_isa(), L.weight.data_ptr<uint8_t>(), L.scales.data_ptr<float>(), N, K, x, 1, u0, u1,
+                    y);
   } else {
     const int8_t* z = L.zeros.numel() ? L.zeros.data_ptr<int8_t>() : nullptr;
     if (L.kind == INT8_R8)
@@ -234,6 +248,7 @@ void gemv_units(const Linear& L, int64_t isa, const float* x, const qk::R8Activa
 // One thread's buffers of the single-row path.
 struct RowScratch {
   qk::R8Activations acts;
+  std::vector<float> xq;  // the row quantize-dequantized per token, for Linears that quantize activations
   std::vector<float> residual, normed, q, attend_buf, rotated;
 };
 
@@ -527,8 +542,8 @@ class DecodePlan {
       row_norm(l, xin, L.input_norm, st, r, t);
       auto t1 = Clock::now();
       const auto [q0, q1] = share(units(L.qkv), t, P);
-      prepare(L.qkv, r.normed.data(), r.acts);
-      gemv_units(L.qkv, isa, r.normed.data(), r.acts, q0, q1, qkv_.data());
+      const float* xq = prepare(L.qkv, r.normed.data(), r.acts, r.xq);
+      gemv_units(L.qkv, isa, xq, r.acts, q0, q1, qkv_.data());
       prefetch_units(L.o, share(units(L.o), t, P).first);
       barrier_.wait();
       auto t2 = Clock::now();
@@ -536,8 +551,8 @@ class DecodePlan {
       barrier_.wait();
       auto t3 = Clock::now();
       const auto [o0, o1] = share(units(L.o), t, P);
-      prepare(L.o, attn_.data(), r.acts);
-      gemv_units(L.o, isa, attn_.data(), r.acts, o0, o1, o_.data());
+      xq = prepare(L.o, attn_.data(), r.acts, r.xq);
+      gemv_units(L.o, isa, xq, r.acts, o0, o1, o_.data());
       const int64_t gu_half = units(L.gate_up) / 2;
       const auto [g0, g1] = share(gu_half, t, P);
       prefetch_units(L.gate_up, g0);
@@ -548,9 +563,9 @@ class DecodePlan {
                                    r.residual.data(), r.normed.data(), 1, hidden, static_cast<float>(eps_));
       auto t5 = Clock::now();
       // this thread's gate rows and the up rows they multiply, then SwiGLU over them: no barrier in between
-      prepare(L.gate_up, r.normed.data(), r.acts);
-      gemv_units(L.gate_up, isa, r.normed.data(), r.acts, g0, g1, gate_up_.data());
-      gemv_units(L.gate_up, isa, r.normed.data(), r.acts, gu_half + g0, gu_half + g1, gate_up_.data());
+      xq = prepare(L.gate_up, r.normed.data(), r.acts, r.xq);
+      gemv_units(L.gate_up, isa, xq, r.acts, g0, g1, gate_up_.data());
+      gemv_units(L.gate_up, isa, xq, r.acts, gu_half + g0, gu_half + g1, gate_up_.data());
       auto t6 = Clock::now();
       const int64_t rows = unit_rows(L.gate_up);
       for (int64_t i = g0 * rows; i < std::min(I, g1 * rows); ++i)
@@ -559,8 +574,8 @@ class DecodePlan {
       barrier_.wait();
       auto t7 = Clock::now();
       const auto [d0, d1] = share(units(L.down), t, P);
-      prepare(L.down, act_.data(), r.acts);
-      gemv_units(L.down, isa, act_.data(), r.acts, d0, d1, y_.data());
+      xq = prepare(L.down, act_.data(), r.acts, r.xq);
+      gemv_units(L.down, isa, xq, r.acts, d0, d1, y_.data());
       if (l + 1 < layers_.size()) prefetch_units(layers_[l + 1].qkv, share(units(layers_[l + 1].qkv), t, P).first);
       barrier_.wait();
       auto t8 = Clock::now();

@@ -672,6 +672,30 @@ inline float quantize_one(float v, bool fp8) {
              : std::min(std::max(std::nearbyint(v), -128.f), 127.f);
 }
 
+// One row of fake_quant_tokens (the decode loop's single-row path calls it on its own copy of the row).
+inline void fake_quant_row(const float* r, int64_t K, bool fp8, float* orow) {
+  const int64_t K8 = K / 8 * 8;
+  const float eps = std::numeric_limits<float>::epsilon();
+  const float qmax = fp8 ? 448.f : 127.f, qmin = fp8 ? -448.f : -128.f;
+  __m256 vmax = _mm256_setzero_ps();
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t k = 0; k < K8; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(abs_mask, _mm256_loadu_ps(r + k)));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vmax);
+  float amax = 0.f;
+  for (float l : lanes) amax = std::max(amax, l);
+  for (int64_t k = K8; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
+  const float scale = std::max(amax / (fp8 ? 448.f : 127.5f), eps);
+  const __m256 vs = _mm256_set1_ps(scale), lo = _mm256_set1_ps(qmin), hi = _mm256_set1_ps(qmax);
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 v = _mm256_div_ps(_mm256_loadu_ps(r + k), vs);
+    v = fp8 ? round_e4m3(_mm256_min_ps(_mm256_max_ps(v, lo), hi))
+            : _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi);
+    _mm256_storeu_ps(orow + k, _mm256_mul_ps(v, vs));
+  }
+  for (int64_t k = K8; k < K; ++k) orow[k] = quantize_one(r[k] / scale, fp8) * scale;
+}
+
 }  // namespace
 
 // Dynamic per-token activation quantize-dequantize (W8A8 / FP8_DYNAMIC schemes on a CPU without FP8 or int8
@@ -681,34 +705,12 @@ inline float quantize_one(float v, bool fp8) {
 torch::Tensor fake_quant_tokens(torch::Tensor x, bool fp8) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "x must be fp32 [M, K]");
   auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), K8 = K / 8 * 8;
+  const int64_t M = xc.size(0), K = xc.size(1);
   auto out = torch::empty_like(xc);
   const float* in = xc.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const float eps = std::numeric_limits<float>::epsilon();
-  const float qmax = fp8 ? 448.f : 127.f, qmin = fp8 ? -448.f : -128.f;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float* r = in + m * K;
-      float* orow = o + m * K;
-      __m256 vmax = _mm256_setzero_ps();
-      const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-      for (int64_t k = 0; k < K8; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(abs_mask, _mm256_loadu_ps(r + k)));
-      float lanes[8];
-      _mm256_storeu_ps(lanes, vmax);
-      float amax = 0.f;
-      for (float l : lanes) amax = std::max(amax, l);
-      for (int64_t k = K8; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
-      const float scale = std::max(amax / (fp8 ? 448.f : 127.5f), eps);
-      const __m256 vs = _mm256_set1_ps(scale), lo = _mm256_set1_ps(qmin), hi = _mm256_set1_ps(qmax);
-      for (int64_t k = 0; k < K8; k += 8) {
-        __m256 v = _mm256_div_ps(_mm256_loadu_ps(r + k), vs);
-        v = fp8 ? round_e4m3(_mm256_min_ps(_mm256_max_ps(v, lo), hi))
-                : _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi);
-        _mm256_storeu_ps(orow + k, _mm256_mul_ps(v, vs));
-      }
-      for (int64_t k = K8; k < K; ++k) orow[k] = quantize_one(r[k] / scale, fp8) * scale;
-    }
+    for (int64_t m = begin; m < end; ++m) fake_quant_row(in + m * K, K, fp8, o + m * K);
   });
   return out;
 }

@@ -1,6 +1,6 @@
 // Which instruction sets the CPU extensions may use, decided at run time (never from the build machine): every
 // extension is compiled for AVX2, and its AVX-512 functions carry their own target attribute and run only where
-// these checks allow. One header for all of them, so the INT4/INT8 kernels (cpu_kernels.cpp) and the dense GEMV
+// these checks allow. One header for all of them, so the INT4/INT8/FP8 kernels (cpu_kernels.cpp) and the dense GEMV
 // (cpu_engine_ops.cpp) follow one switch; cpu_decode.cpp includes it first, at file scope, before it includes the
 // other two inside their namespaces.
 #pragma once
@@ -38,6 +38,15 @@ inline bool avx512f() {
   static const bool ok = [] {
     __builtin_cpu_init();
     return !capped_by_torch() && __builtin_cpu_supports("avx512f") && os_saves_zmm();
+  }();
+  return ok;
+}
+
+// AVX-512 BW on top of F (the FP8 GEMV widens 32 E4M3 bytes to fp16 in one 512-bit register), same conditions.
+inline bool avx512bw() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return avx512f() && __builtin_cpu_supports("avx512bw");
   }();
   return ok;
 }

@@ -55,7 +55,7 @@ TRITON_DECODE_MAX_M = 32
 
 
 # Kernel codes of the fused decode loop (kernels/cpu_decode.cpp): the kernel a Linear takes for a few rows.
-GEMV_DENSE, GEMV_INT4, GEMV_INT8, GEMV_FP8, GEMV_INT4_R8, GEMV_INT8_R8 = 0, 1, 2, 3, 4, 5
+GEMV_DENSE, GEMV_INT4, GEMV_INT8, GEMV_FP8, GEMV_INT4_R8, GEMV_INT8_R8, GEMV_FP8_R8 = 0, 1, 2, 3, 4, 5, 6
 
 
 @dataclass(frozen=True)
@@ -69,26 +69,47 @@ class BoundGemv:
 
 
 def bind_cpu_gemv(layer) -> BoundGemv | None:
-    """The CPU GEMV of a weight-only INT4 or INT8 layer and its arguments, bound once at load: a decode step makes
-    ~120 of these calls, and finding them per call (buffer lookups through nn.Module.__getattr__) costs ~10 us
-    each. The kernels read a row-interleaved copy of the weight (R8, kernels/cpu_kernels.cpp) made here once: the
+    """The CPU GEMV of an INT4, INT8 or FP8 layer and its arguments, bound once at load: a decode step makes ~120
+    of these calls, and finding them per call (buffer lookups through nn.Module.__getattr__) costs ~10 us each.
+    The kernels read a row-interleaved copy of the weight (R8, kernels/cpu_kernels.cpp) made here once: the
     checkpoint layout stays the module's buffer (prefill, GPU, saving), so these weights take twice their bytes
-    in host memory; a decode step reads only the copy. QTOOLKIT_CPU_R8=0 binds the kernels on the checkpoint
-    layout instead (for A/B measurements)."""
+    in host memory; a decode step reads only the copy. A layer that quantizes its activations per token (FP8
+    dynamic, INT8 W8A8) gets the GEMV behind the same quantize-dequantize the other paths run, so the bound call
+    gives the reference semantics' activations. QTOOLKIT_CPU_R8=0 binds the kernels on the checkpoint layout
+    instead (for A/B measurements; weight-only INT4 only, as before the R8 copies)."""
     ext = cpu.cpu_kernels()  # looked up through kernels.cpu, where the torch-fallback tests switch it off
-    if ext is None or layer.act is not None or layer.qweight.is_cuda:
+    if ext is None or layer.qweight.is_cuda or (layer.act is not None and engine_ops() is None):
         return None
     r8 = os.environ.get("QTOOLKIT_CPU_R8", "1") != "0"
     args = (layer.qweight, layer.scales, layer.zeros, layer.group_size)
+    bound = None
     if layer.kind == "int4" and cpu.int4_fast_ok(layer.in_features, layer.group_size):
         if not r8:
-            return BoundGemv(ext.int4_matmul, args, INT4_GEMV_MAX_M, GEMV_INT4)
-        return BoundGemv(ext.int4_matmul_r8, (*ext.int4_repack_r8(*args), layer.group_size), INT4_GEMV_MAX_M,
-                         GEMV_INT4_R8)
-    if layer.kind == "int8" and cpu.int8_fast_ok(layer.in_features, layer.group_size) and r8:
-        return BoundGemv(ext.int8_matmul_r8, (*ext.int8_repack_r8(*args), layer.group_size), GEMV_MAX_M,
-                         GEMV_INT8_R8)
-    return None
+            bound = BoundGemv(ext.int4_matmul, args, INT4_GEMV_MAX_M, GEMV_INT4)
+        else:
+            bound = BoundGemv(ext.int4_matmul_r8, (*ext.int4_repack_r8(*args), layer.group_size), INT4_GEMV_MAX_M,
+                              GEMV_INT4_R8)
+    elif layer.kind == "int8" and cpu.int8_fast_ok(layer.in_features, layer.group_size) and r8:
+        bound = BoundGemv(ext.int8_matmul_r8, (*ext.int8_repack_r8(*args), layer.group_size), GEMV_MAX_M,
+                          GEMV_INT8_R8)
+    elif layer.kind == "fp8" and layer.in_features % 4 == 0 and layer.group_size == layer.in_features and r8:
+        repacked = ext.fp8_repack_r8(layer.qweight.view(torch.uint8), layer.scales.reshape(-1))
+        bound = BoundGemv(ext.fp8_matmul_r8, (*repacked, layer.in_features), FP8_GEMV_MAX_M, GEMV_FP8_R8)
+    if bound is None or layer.act is None:
+        return bound
+    if layer.kind == "int4":  # no INT4 scheme quantizes activations; keep the general path if one ever does
+        return None
+    return BoundGemv(_after_fake_quant(bound.fn, layer.act == "float"), bound.args, bound.max_rows, bound.code)
+
+
+def _after_fake_quant(gemv: Callable, fp8: bool) -> Callable:
+    """gemv behind the per-token activation quantize-dequantize (the one engine op _fake_quant_tokens runs)."""
+    fake_quant = engine_ops().fake_quant_tokens
+
+    def run(x: torch.Tensor, *args) -> torch.Tensor:
+        return gemv(fake_quant(x, fp8), *args)
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -176,14 +197,32 @@ def _fake_quant_tokens(x: torch.Tensor, kind: str) -> torch.Tensor:
     return q.float() * scale
 
 
+def int8_int8_ok(layer) -> bool:
+    """W8A8 layers whose prefill multiplies int8 by int8 (torch._int_mm, oneDNN's VNNI GEMM on x86): symmetric
+    per-channel weights, so one scale per output column and one per token factor out of the integer sums."""
+    return (layer.kind == "int8" and layer.act == "int" and not layer.zeros.numel()
+            and layer.group_size == layer.in_features and hasattr(torch, "_int_mm"))
+
+
+def _int8_int8(x2: torch.Tensor, layer) -> torch.Tensor:
+    """x quantized per token as the reference does (q, s_x), then (q @ W_q^T) * s_x * s_w: the reference's
+    quantize-dequantize activations times the dequantized weight, with the sums exact in int32 instead of
+    rounded in fp32 (on the default model's layers at 256-1024 rows, 2-4x fp32 sgemm's speed)."""
+    q, sx = quantize_activations(x2, "int")
+    acc = torch._int_mm(q, layer.qweight.t())
+    return acc.float() * sx * layer.scales.reshape(1, -1)
+
+
 def _cpu(x2: torch.Tensor, layer) -> torch.Tensor:
     x2 = x2.float().contiguous()
+    m = x2.shape[0]
+    if layer.cpu_gemv is not None and m <= layer.gemv_max_m:  # the bound GEMV (activations quantized inside)
+        return layer.cpu_gemv(x2, *layer.gemv_args)
+    if int8_int8_ok(layer):
+        return _int8_int8(x2, layer)
     if layer.act is not None:
         x2 = _fake_quant_tokens(x2, layer.act)
     zeros = layer.zeros if layer.zeros.numel() else None
-    m = x2.shape[0]
-    if layer.cpu_gemv is not None and m <= layer.gemv_max_m:  # the bound GEMV, as quant_linear's 2-D path takes
-        return layer.cpu_gemv(x2, *layer.gemv_args)
     if layer.kind == "int4":
         return cpu.int4_linear(x2, layer.qweight, layer.scales, zeros, layer.group_size, gemv=m <= INT4_GEMV_MAX_M)
     if layer.kind == "int8":

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from qtoolkit.bench.decode import PROMPT, decode_rate, run_decode_bench
+from qtoolkit.bench.decode import PROMPT, decode_rate, run_decode_bench, run_prefill_bench
 from qtoolkit.cli import main
 from qtoolkit.peers.child import PeerError
 from qtoolkit.peers.llama_cpp import LlamaCppPeer
@@ -176,3 +176,47 @@ def test_peer_that_exits_reports_its_last_line(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     with pytest.raises(PeerError, match="exited with status 3 while loading .*libllama.so"):
         LlamaCppPeer(tmp_path / "model.gguf", 1, PROMPT)
+
+
+def test_prefill_rounds_interleave_and_never_reuse_a_prompt():
+    calls = []
+
+    def fake(name, seconds_per_token):
+        def run(text):
+            calls.append((name, text))
+            return len(text) * seconds_per_token
+        return run
+
+    prompts = {4: ["wwww", "aaaa", "bbbb"], 2: ["ww", "cc", "dd"]}
+    report = run_prefill_bench({"base": fake("base", 0.02), "q": fake("q", 0.01)}, prompts, baseline="base")
+    timed = calls[4:]  # after each system's warm-up at both lengths
+    assert [t for _, t in calls[:4]] == ["ww", "wwww", "ww", "wwww"]
+    assert timed == [("base", "cc"), ("q", "cc"), ("base", "aaaa"), ("q", "aaaa"), ("base", "dd"), ("q", "dd"),
+                     ("base", "bbbb"), ("q", "bbbb")]
+    assert report["prompt_tokens"] == [2, 4] and report["rounds"] == 2
+    assert report["systems"]["q"]["4"]["prefill_tok_per_s"] == pytest.approx(100.0)
+    assert report["ratios"] == {"q_over_base": {"2": pytest.approx(2.0), "4": pytest.approx(2.0)}}
+    assert report["round_ratios"]["q_over_base"]["4"] == [pytest.approx(2.0)] * 2
+
+
+def test_cli_times_prefill_at_each_length(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "prefill.json"
+    assert main(["bench", "decode", "--model", str(tiny_model_dir), "--kv-cache-dtype", "auto,fp8", "--tokens", "4",
+                 "--rounds", "2", "--no-breakdown", "--prefill-tokens", "64,16", "--output", str(out)]) == 0
+    prefill = json.loads(out.read_text())["prefill"]
+    name = f"engine:{tiny_model_dir.name}"
+    assert prefill["prompt_tokens"] == [16, 64] and prefill["baseline"] == name
+    for per in prefill["systems"].values():
+        assert all(len(per[n]["samples"]) == 2 and per[n]["prefill_tok_per_s"] > 0 for n in ("16", "64"))
+    assert set(prefill["ratios"]) == {f"{name}:kv-fp8_over_{name}"}
+    assert "prefill tok/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("value", "message"), [("256,x", "--prefill-tokens takes positive token counts"),
+                                                ("0", "--prefill-tokens takes positive"),
+                                                ("10000000", "--prefill-tokens 10000000 is more than")])
+def test_cli_refuses_prefill_lengths_it_cannot_run(tiny_model_dir, tmp_path, capsys, value, message):
+    out = tmp_path / "x.json"
+    assert main(["bench", "decode", "--model", str(tiny_model_dir), "--prefill-tokens", value,
+                 "--output", str(out)]) == 2
+    assert message in capsys.readouterr().err and not out.exists()

@@ -8,10 +8,12 @@ import dataclasses
 
 import pytest
 import torch
+from qtoolkit.kernels import scheme as S
 from qtoolkit.kernels.cpu_build import engine_ops, fused_decode
 
 from qtoolkit.engine import Engine, SamplingParams
 from qtoolkit.engine.model_runner import Chunk, ModelRunner
+from qtoolkit.engine.speculative import self_draft
 from qtoolkit.engine.speculative.self_draft import quantize_copy
 from qtoolkit.model import decode_plan
 from qtoolkit.model.kv_quant import StaticKVScales
@@ -24,10 +26,17 @@ pytestmark = pytest.mark.skipif(engine_ops() is None or fused_decode() is None,
 BLOCK = 4
 
 
-def _model(tiny_model_dir, kind: str):
+# weight formats beyond the self-draft's two (int4, fp8 = FP8_DYNAMIC): FP8 weight-only and INT8 W8A8
+EXTRA_SCHEMES = {"fp8-weight": S.fp8_weight_only(), "w8a8": S.w8a8_int()}
+
+
+def _model(tiny_model_dir, kind: str, monkeypatch=None):
     model = load_model(resolve_model(str(tiny_model_dir)), "float32")
     if kind == "fp32":
         return model
+    if kind in EXTRA_SCHEMES:
+        monkeypatch.setitem(self_draft.SCHEMES, kind, EXTRA_SCHEMES[kind])
+        monkeypatch.setitem(self_draft.HEAD_SCHEMES, kind, EXTRA_SCHEMES[kind])
     model = quantize_copy(model, kind.removesuffix("-bf16"))
     if kind.endswith("-bf16"):  # scales a bf16 checkpoint would have: the kernels read them as bf16
         for module in model.modules():
@@ -65,12 +74,14 @@ def _steps(runner: ModelRunner) -> list[torch.Tensor]:
 @pytest.mark.parametrize(("kind", "row_path", "kv"), [
     ("fp32", True, "auto"), ("int4", True, "auto"), ("int4-bf16", True, "auto"), ("int4", False, "auto"),
     ("fp8", False, "auto"), ("int4", True, "fp8"), ("fp32", True, "int8"), ("int4", False, "fp8"),
-    ("int4", True, "fp8-calibrated"), ("int4", False, "int8-calibrated")])
+    ("int4", True, "fp8-calibrated"), ("int4", False, "int8-calibrated"), ("fp8", True, "auto"),
+    ("fp8", True, "fp8"), ("fp8-weight", True, "auto"), ("fp8-weight", False, "auto"), ("w8a8", True, "auto")])
 def test_plan_logits_identical_to_python_loop(tiny_model_dir, kind, row_path, kv, monkeypatch):
-    """fp32 and INT4 single rows take the one-parallel-region path (fp8 weights have none); QTOOLKIT_ROW_PATH=0
-    sends them through the batched path: every way gives the Python loop's bits, over an fp32 KV cache and over
-    FP8 / int8 caches with per-token or calibrated scales."""
-    model = _model(tiny_model_dir, kind)
+    """fp32, INT4, FP8 (weight-only and dynamic) and W8A8 single rows take the one-parallel-region path (each
+    thread quantizes its own copy of a row where the layer quantizes activations); QTOOLKIT_ROW_PATH=0 sends them
+    through the batched path: every way gives the Python loop's bits, over an fp32 KV cache and over FP8 / int8
+    caches with per-token or calibrated scales."""
+    model = _model(tiny_model_dir, kind, monkeypatch)
     kv_dtype = kv.removesuffix("-calibrated")
     if kv.endswith("-calibrated"):  # a checkpoint's k_scale / v_scale for that cache (one per KV head)
         g = torch.Generator().manual_seed(1)
@@ -90,7 +101,7 @@ def test_plan_logits_identical_to_python_loop(tiny_model_dir, kind, row_path, kv
     plan = model.decode_plan
     assert isinstance(plan, decode_plan.DecodePlan) and plan.plan.num_layers == model.config.num_layers
     assert plan.plan.times()[0] > 0  # its GEMVs ran
-    assert plan.plan.row_path is (row_path and kind != "fp8")
+    assert plan.plan.row_path is row_path
     for a, b in zip(slow, fast, strict=True):
         assert torch.equal(a, b)
 

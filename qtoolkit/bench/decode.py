@@ -30,16 +30,17 @@ from ..peers.llama_cpp import LlamaCppPeer
 PROMPT = 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
 
 
-def context_prompt(tokenizer, tokens: int) -> str:
-    """PROMPT when `tokens` is 0, else the first `tokens` tokens (by `tokenizer`) of HumanEval's prompts as text."""
+def context_prompt(tokenizer, tokens: int, offset: int = 0, option: str = "--context-tokens") -> str:
+    """PROMPT when `tokens` is 0, else `tokens` tokens (by `tokenizer`) of HumanEval's prompts as text, from the
+    `offset`-th token on (prefill rounds start at different tokens, so no round reuses another's cached prefix)."""
     if tokens == 0:
         return PROMPT
     text = "\n".join(problem["prompt"] for problem in read_problems().values())
     ids = tokenizer(text, add_special_tokens=False).input_ids
-    if len(ids) < tokens:
-        raise QToolError(f"--context-tokens {tokens} is more than the {len(ids)} tokens of text at hand: give at "
-                         f"most {len(ids)}")
-    return tokenizer.decode(ids[:tokens])
+    if len(ids) < tokens + offset:
+        raise QToolError(f"{option} {tokens} is more than the {len(ids) - offset} tokens of text at hand: give at "
+                         f"most {len(ids) - offset}")
+    return tokenizer.decode(ids[offset:offset + tokens])
 
 # A decoder runs: given a token budget, returns the wall-clock time at each generated token (first token first).
 Decoder = Callable[[int], list[float]]
@@ -59,8 +60,19 @@ def engine_decoder(model: str, dtype: str, threads: int, kv_cache_dtype: str = "
                 stamps += [time.perf_counter()] * len(out.new_token_ids)
         return stamps
 
+    def prefill(text: str) -> float:
+        """Seconds from a request's arrival to its first token (its whole prefill, in the engine's chunks)."""
+        prefill.count += 1
+        start = time.perf_counter()
+        engine.add_request(f"prefill-bench-{prefill.count}", text, SamplingParams(max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        return time.perf_counter() - start
+
+    prefill.count = 0
     run.engine = engine  # decode_breakdown times this engine's steps after the rounds
     run.prompt = prompt
+    run.prefill = prefill
     return run, {"model": engine.source.describe(), "dtype": str(engine.model.dtype).removeprefix("torch."),
                  "kv_cache_dtype": kv_cache_dtype, "threads": threads}
 
@@ -129,6 +141,51 @@ def run_decode_bench(systems: dict[str, tuple[Decoder, dict[str, Any]]], *, toke
                   for name, r in results.items() if name != baseline}
     report = {"tokens": tokens, "rounds": rounds, "prompt": prompt, "systems": results, "ratios": ratios}
     return {**report, "memory_bandwidth_gb_s_per_round": bandwidths} if probe is not None else report
+
+
+# A prefiller runs one prompt to its first token and returns the seconds that took.
+Prefiller = Callable[[str], float]
+
+
+def run_prefill_bench(systems: dict[str, Prefiller], prompts: dict[int, list[str]], *, baseline: str,
+                      progress=None) -> dict[str, Any]:
+    """Prefill tok/s (prompt tokens over the time to the first token) of every system at each prompt length, in
+    interleaved rounds. prompts[n] holds a warm-up text, then one text per round, each different (so the prefix
+    cache never answers); round r runs prompts[n][r + 1] on every system before the next round. Ratios are each
+    system's median over the baseline's."""
+    lengths = sorted(prompts)
+    rounds = len(prompts[lengths[0]]) - 1
+    for prefill in systems.values():  # warm-up: each length's buffers allocated once
+        for n in lengths:
+            prefill(prompts[n][0])
+    samples = {name: {n: [] for n in lengths} for name in systems}
+    for r in range(1, rounds + 1):
+        for n in lengths:
+            for name, prefill in systems.items():
+                samples[name][n].append(n / prefill(prompts[n][r]))
+                if progress is not None:
+                    progress.update(1)
+    medians = {name: {n: statistics.median(v) for n, v in per.items()} for name, per in samples.items()}
+    results = {name: {str(n): {"prefill_tok_per_s": medians[name][n], "samples": samples[name][n]}
+                      for n in lengths} for name in systems}
+    ratios = {f"{name}_over_{baseline}": {str(n): medians[name][n] / medians[baseline][n] for n in lengths}
+              for name in systems if name != baseline}
+    # per-round ratios: the spread a shared machine puts on the medians' ratio
+    round_ratios = {f"{name}_over_{baseline}": {str(n): [a / b for a, b in zip(samples[name][n], samples[baseline][n],
+                                                                                 strict=True)] for n in lengths}
+                    for name in systems if name != baseline}
+    return {"prompt_tokens": lengths, "rounds": rounds, "baseline": baseline, "systems": results, "ratios": ratios,
+            "round_ratios": round_ratios}
+
+
+def format_prefill_table(report: dict[str, Any]) -> str:
+    lengths = report["prompt_tokens"]
+    lines = [f"{'system (prefill tok/s)':<28} " + " ".join(f"{n:>10}" for n in lengths)]
+    for name, per in report["systems"].items():
+        lines.append(f"{name:<28} " + " ".join(f"{per[str(n)]['prefill_tok_per_s']:>10.1f}" for n in lengths))
+    for key, per in report["ratios"].items():
+        lines.append(f"{key:<28} " + " ".join(f"{per[str(n)]:>9.2f}x" for n in lengths))
+    return "\n".join(lines)
 
 
 def format_table(report: dict[str, Any]) -> str:

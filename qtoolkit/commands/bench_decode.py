@@ -19,6 +19,7 @@ examples:
   qtool bench decode --model default --model out/int4 --compare llama.cpp,hf --output decode.json
   qtool bench decode --model out/int4 --kv-cache-dtype auto,fp8 --rounds 5 --output kv.json
   qtool bench decode --model out/int4 --compare llama.cpp --context-tokens 2048 --output depth.json
+  qtool bench decode --model default --model out/fp8 --prefill-tokens 256,2048 --rounds 5 --output prefill.json
 """
 
 
@@ -36,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-tokens", type=int, default=0, metavar="N",
                    help="decode after an N-token prompt (HumanEval's problem statements), so every token attends "
                         "over N cached ones (default: a ~20-token prompt)")
+    p.add_argument("--prefill-tokens", default="", metavar="N[,N...]",
+                   help="also time prefill (prompt to first token) at these prompt lengths, every engine checkpoint "
+                        "in the same interleaved rounds, each over the first --model (e.g. 256,2048)")
     p.add_argument("--threads", type=int, default=None, help="threads for every system (default: torch's choice)")
     p.add_argument("--no-breakdown", action="store_true",
                    help="skip the per-token split (GEMV / attention / other ops / host) and the roofline fraction")
@@ -72,13 +76,19 @@ def run(args: argparse.Namespace) -> int:
                          f"{args.kv_cache_dtype!r}")
     if args.context_tokens < 0:
         raise QToolError(f"--context-tokens must be >= 0, got {args.context_tokens}")
+    prefill_tokens = _prefill_lengths(args.prefill_tokens)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     models = args.model or ["default"]
-    prompt = context_prompt(AutoTokenizer.from_pretrained(resolve_model(models[0]).path), args.context_tokens)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(models[0]).path)
+    prompt = context_prompt(tokenizer, args.context_tokens)
+    # built before any model loads: a length the text cannot give is an error line, not minutes later
+    prefill_prompts = _prefill_prompts(tokenizer, prefill_tokens, args.rounds)
     # room for the prompt as each system's tokenizer counts it, and the decoded tokens
     cache_tokens = 2 * args.context_tokens + args.tokens + 64 if args.context_tokens else 0
+    if prefill_tokens:  # the longest prefill prompt, however a tokenizer re-counts its text
+        cache_tokens = max(cache_tokens, 2 * max(prefill_tokens) + args.tokens + 64)
     systems = {}
     if "llama.cpp" in peers:  # first: a broken peer build is reported before minutes of engine loading
         gguf = Path(args.gguf) if args.gguf else default_gguf_path()
@@ -99,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
                                   probe=None if args.no_breakdown else measure_bandwidth, prompt=prompt)
     if not args.no_breakdown:
         report = _with_breakdowns(report, systems, args.tokens)
+    if prefill_prompts:
+        report["prefill"] = _prefill_report(systems, prefill_prompts)
     report = {**provenance(command="bench decode", models=models, compare=peers, threads=threads,
                            kv_cache_dtypes=caches, context_tokens=args.context_tokens), **report}
     print(format_table(report))
@@ -106,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
         if "breakdown" in r:
             print(format_breakdown(name, DecodeBreakdown(**r["breakdown"])))
             print(format_roofline(name, RooflineRounds(**r["roofline"])))
+    if "prefill" in report:
+        from ..bench.decode import format_prefill_table
+
+        print(format_prefill_table(report["prefill"]))
     path = write_json(args.output, report)
     status(f"wrote {path}")
     return 0
@@ -134,3 +150,33 @@ def _with_breakdowns(report: dict, systems: dict, tokens: int) -> dict:
                                              weight_bytes, working_set).to_json()
         result["breakdown"] = breakdown.to_json()
     return {**report, "memory_bandwidth_gb_s": round(bandwidth, 2)}
+
+
+def _prefill_lengths(text: str) -> list[int]:
+    """--prefill-tokens as sorted distinct lengths, or a one-line error."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise QToolError(f"--prefill-tokens takes positive token counts, comma-separated (e.g. 256,2048), got {text!r}")
+    return sorted({int(p) for p in parts})
+
+
+def _prefill_prompts(tokenizer, lengths: list[int], rounds: int) -> dict[int, list[str]]:
+    """A warm-up text and one per round for each length, every one starting at its own token of HumanEval's text
+    (a prompt that started where another did would find that one's blocks in the prefix cache)."""
+    from ..bench.decode import context_prompt
+
+    return {n: [context_prompt(tokenizer, n, 97 * (r * len(lengths) + i), "--prefill-tokens")
+                for r in range(rounds + 1)] for i, n in enumerate(lengths)}
+
+
+def _prefill_report(systems: dict, prompts: dict[int, list[str]]) -> dict:
+    """Prefill tok/s of every engine system at each length in interleaved rounds, over the first one's (the first
+    --model with the first cache)."""
+    from ..bench.decode import run_prefill_bench
+
+    engines = {name: decode.prefill for name, (decode, _) in systems.items() if hasattr(decode, "prefill")}
+    baseline = next(iter(engines))
+    rounds = len(next(iter(prompts.values()))) - 1
+    status("timing prefill")
+    with bar(total=rounds * len(prompts) * len(engines), desc="prefill rounds", unit="run") as progress:
+        return run_prefill_bench(engines, prompts, baseline=baseline, progress=progress)

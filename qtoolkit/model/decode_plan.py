@@ -11,8 +11,9 @@ included: the quantized caches' ops, rope_and_cache_quant and the scaled paged a
 Gemma's 1 + w), no q/k norm, no sandwich norms, a dense SwiGLU MLP, and every Linear a single AVX2 kernel call. Anything else (and prefill, and rows beyond the GEMV limits) keeps the
 Python loop. EAGLE-3's taps (the residual stream entering chosen layers) are taken inside the C++ loop. QTOOLKIT_FUSED_DECODE=0 turns plans off (for A/B measurements).
 
-A single row (a batch-1 decode step) takes the plan's single-row path when every Linear is a weight-only R8 INT4 /
-INT8 or fp32 GEMV: all layers in one parallel region, each thread a fixed share of every GEMV, barriers only where
+A single row (a batch-1 decode step) takes the plan's single-row path when every Linear is an R8 INT4 / INT8 /
+FP8 or fp32 GEMV (FP8 dynamic and W8A8 Linears quantize each thread's copy of the row per token first, with
+fake_quant_tokens' operations): all layers in one parallel region, each thread a fixed share of every GEMV, barriers only where
 an op needs every thread's rows (kernels/cpu_decode.cpp). QTOOLKIT_ROW_PATH=0 keeps single rows on the batched
 path (for A/B measurements); both give the same bits.
 """

@@ -4,7 +4,7 @@ Layouts held in memory (chosen once at load, never dequantized to fp32 there):
 - INT4 pack-quantized: the checkpoint's own int32 words [N, K/8] (8 nibbles per word, +8 offset), which the
   Triton kernel, the prefill path and saving read directly. On a CPU the decode GEMV reads a row-interleaved copy
   made once at load (kernels.dispatch.bind_cpu_gemv), so INT4 weights take twice their bytes in host memory.
-  Weight-only INT8 layers likewise.
+  INT8 and FP8 layers likewise (with or without per-token activation quantization).
 - other int widths (INT8 W8A16/W8A8, INT3/INT2): unpacked once to int8 [N, K]. For 8 bits that is the same byte
   count; for 2-3 bits it trades a little memory for one simple kernel (those schemes are canaries, not products).
 - FP8 E4M3: the checkpoint's float8 [N, K].

@@ -1,0 +1,74 @@
+"""The prefill path of quantized Linears (kernels/cpu.py): the C++ dequantizers give the torch reference's bits,
+and a whole layer dequantized into the reused buffer gives the blocked path's result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from qtoolkit.kernels import cpu
+from qtoolkit.kernels.cpu_build import cpu_kernels
+from qtoolkit.kernels.reference import pack_int32, unpack_int32
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="AVX2 extension unavailable here")
+
+
+@pytest.mark.parametrize(("n", "k", "group", "asym"), [(45, 576, 576, False), (7, 96, 32, True), (3, 40, 8, True),
+                                                      (5, 21, 7, False), (960, 576, 64, True)])
+def test_int8_dequantize_is_the_torch_ops_bit_for_bit(n, k, group, asym):
+    g = torch.Generator().manual_seed(n + k)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = torch.rand(n, k // group, generator=g) / 100
+    zeros = torch.randint(-8, 8, (n, k // group), dtype=torch.int8, generator=g) if asym else None
+    ref = cpu._dequantize_int8_torch(q, scales, zeros, group)
+    assert torch.equal(cpu.dequantize_int8(q, scales, zeros, group), ref)
+    buf = torch.empty(n * k + 5)
+    assert torch.equal(cpu.dequantize_int8(q, scales, zeros, group, buf), ref)
+
+
+@pytest.mark.parametrize(("group", "asym"), [(32, True), (64, False), (128, True)])
+def test_int4_dequantize_is_the_torch_ops_bit_for_bit(group, asym):
+    g = torch.Generator().manual_seed(group)
+    n, k = 13, 640
+    nibbles = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+    packed = pack_int32(nibbles - 8, 4)  # the checkpoint's offset-by-8 words
+    scales = torch.rand(n, k // group, generator=g)
+    zeros = torch.randint(-8, 8, (n, k // group), dtype=torch.int8, generator=g) if asym else None
+    ref = cpu._dequantize_int8_torch(unpack_int32(packed, 4, k), scales, zeros, group)
+    assert torch.equal(cpu.dequantize_int4(packed, scales, zeros, group), ref)
+
+
+def test_whole_layer_and_blocked_prefill_agree(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    n, k = 300, 64
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = torch.rand(n, 1, generator=g)
+    x = torch.randn(40, k, generator=g)
+    whole = cpu.int8_linear(x, q, scales, None, k, gemv=False)
+    monkeypatch.setattr(cpu, "FULL_DEQUANT_BYTES", 0)
+    monkeypatch.setattr(cpu, "BLOCK_BYTES", 64 * 4 * 16)  # 16-row blocks
+    blocked = cpu.int8_linear(x, q, scales, None, k, gemv=False)
+    torch.testing.assert_close(whole, blocked, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(whole, x @ (q.float() * scales).t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(17, 45, 256), (300, 96, 576), (40, 7, 20)])
+def test_w8a8_prefill_multiplies_int8_by_int8_with_the_reference_activations(m, n, k, monkeypatch):
+    """A W8A8 layer's prefill quantizes activations per token as the reference does and sums int8 products exactly
+    (torch._int_mm); only the final scaling rounds, so it sits within fp32 rounding of the reference."""
+    from qtoolkit.kernels import dispatch
+    from qtoolkit.kernels import scheme as S
+    from qtoolkit.kernels.reference import quantize_weight, reference_linear
+
+    from qtoolkit.model.quant_linear import make_linear
+
+    g = torch.Generator().manual_seed(m)
+    t = quantize_weight(torch.randn(n, k, generator=g) * 0.05, S.w8a8_int())
+    lin = make_linear(t, S.w8a8_int())
+    assert dispatch.int8_int8_ok(lin)
+    calls = []
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.dtype) or torch.ops.aten._int_mm(a, b))
+    x = torch.randn(m, k, generator=g) * 2
+    y = lin(x)
+    assert calls == [torch.int8]
+    ref = reference_linear(x, t, S.w8a8_int(), None)
+    assert float((y - ref).norm() / ref.norm()) < 1e-6
