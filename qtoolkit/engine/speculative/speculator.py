@@ -92,6 +92,7 @@ class Speculator:
                 item.drafts = proposal.tokens[:k]
                 item.draft_probs = proposal.draft_probs if item.drafts else None
                 self.blocks.shrink(item.seq, len(item.seq) + len(item.drafts))  # a shorter proposal's reserve
+        self.metrics.record_step(len(decoding), sum(len(item.drafts) for item in decoding))
         if any(item.drafts for item in decoding):
             self.metrics.steps_with_speculation += 1
         else:
