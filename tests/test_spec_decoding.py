@@ -57,7 +57,8 @@ def reference(sharp_dir):
 def test_greedy_identity_every_proposer_batch_1_and_mixed_batch(sharp_dir, reference):
     # self-int4 on this random model is mostly rejected, the target drafting for itself always accepted:
     # both ends of the verification path run
-    for spec in ["ngram", "self-int4", "self-fp8", f"draft:{sharp_dir}", f"self:{sharp_dir}"]:
+    for spec in ["ngram", "self-int4", "self-fp8", "self-skip", "self-skip:1", f"draft:{sharp_dir}",
+                 f"self:{sharp_dir}"]:
         engine = make(sharp_dir, speculative=spec, num_speculative_tokens=4, max_verify_tokens=64)
         assert run(engine, PROMPTS[1:2], greedy_params()[1:2]) == reference[1:2], spec
         assert run(engine) == reference, spec
@@ -238,3 +239,68 @@ def test_self_draft_reads_the_target_cache_and_drafts_from_the_first_step(sharp_
     first = run(engine, PROMPTS[:4], params)
     assert run(engine, PROMPTS[:4], params) == first
     assert engine.stats().speculative.acceptance_rate > 0.9
+
+
+@pytest.fixture(scope="module")
+def int4_dir(sharp_dir, tmp_path_factory):
+    from qtoolkit.cli import main
+
+    out = tmp_path_factory.mktemp("sharp-int4") / "int4"
+    assert main(["quantize", "--model", str(sharp_dir), "--recipe", "int4-rtn-asym", "--output", str(out)]) == 0
+    return out
+
+
+def test_layer_skip_drafts_any_target_quantized_included_with_greedy_identity(sharp_dir, int4_dir):
+    """self-skip keeps some of the target's own layers (the same modules: nothing copied) and reads their slices
+    of the target's cache; an INT4 checkpoint, which cannot be self-int4-drafted, drafts this way with its
+    outputs unchanged."""
+    from qtoolkit.engine.speculative.layer_skip import LayerSkipProposer, kept_layers
+
+    int4_reference = run(make(int4_dir))
+    with pytest.raises(SpeculativeConfigError, match="self-skip"):
+        make(int4_dir, speculative="self-int4")
+    for target, reference_out in ((sharp_dir, None), (int4_dir, int4_reference)):
+        engine = make(target, speculative="self-skip:1", num_speculative_tokens=3, max_verify_tokens=64)
+        proposer = engine.proposer
+        assert isinstance(proposer, LayerSkipProposer)
+        draft = proposer.drafts[1]
+        assert draft.runner.kv_cache is engine.runner.kv_cache
+        assert draft.model.layers[0] is engine.model.layers[0] and draft.model.lm_head is engine.model.lm_head
+        out = run(engine)
+        assert out == (reference_out or run(make(target))), target
+        assert engine.stats().speculative.draft_tokens > 0 and engine.stats().kv_blocks_used == 0
+    assert kept_layers(30, 20) == [*range(10), *range(20, 30)] and kept_layers(5, 3) == [0, 1, 4]
+
+
+def test_layer_skip_depth_is_checked_and_parsed_once():
+    from qtoolkit.engine.speculative_spec import SpeculativeSpec
+
+    assert SpeculativeSpec.parse("self-skip:12").skip_layers == 12 and SpeculativeSpec.parse("self-skip").skip_layers \
+        is None
+    assert SpeculativeSpec.parse("self-skip:3").shares_target_kv
+    for bad in ("self-skip:0", "self-skip:x", "self-skip:-2"):
+        with pytest.raises(SpeculativeConfigError, match="positive whole number") as e:
+            SpeculativeSpec.parse(bad)
+        assert len(str(e.value).splitlines()) == 1
+
+
+def test_layer_skip_depth_out_of_range_fails_at_start_up(sharp_dir):
+    with pytest.raises(SpeculativeConfigError, match="keeps 1 to 1 of them"):
+        make(sharp_dir, speculative="self-skip:2")
+
+
+def test_depth_chooser_explores_then_keeps_the_depth_that_pays():
+    from qtoolkit.engine.speculative.policy import DepthChooser
+
+    policy = SpeculationPolicy(4)
+    chooser = DepthChooser([10, 20], policy)
+    # the shallow depth is cheap but rarely right, the deep one dearer and mostly right
+    truth = {10: (0.05, 0.2), 20: (0.85, 0.4)}  # acceptance, draft step / verification
+    for _ in range(2 * DepthChooser.EXPLORE_STEPS):
+        depth = chooser.pick()
+        acc, cost = truth[depth]
+        chooser.record(depth, 4, 4 if acc > 0.5 else 0)
+        chooser.observe(depth, cost, 1.0)
+    assert chooser.best == 20 and chooser.gain(20) > 1 > chooser.gain(10)
+    picks = [chooser.pick() for _ in range(DepthChooser.REPROBE_STEPS)]
+    assert picks.count(20) == len(picks) - 1 and picks.count(10) == 1  # one re-probe of the other depth

@@ -11,7 +11,7 @@ from test_server import TIMEOUT, running, sse_events
 from qtoolkit.cli import main
 from qtoolkit.engine import Engine
 from qtoolkit.server import create_app
-from qtoolkit.server.metrics import samples
+from qtoolkit.server.metrics import parse_speculative, samples
 
 
 def test_usage_block_and_metrics_report_speculation(tiny_model_dir):
@@ -34,6 +34,11 @@ def test_usage_block_and_metrics_report_speculation(tiny_model_dir):
         assert scraped[("qtool_spec_acceptance_rate", ())] == 1.0
         assert scraped[("qtool_spec_acceptance_by_position", (("position", "1"),))] == 1.0
         assert scraped[("qtool_spec_draft_tokens_total", ())] >= 2 * spec["draft_tokens"]
+        # the draft length the policy chose per batch size (here k = 3 whenever there was room for it)
+        length = scraped[("qtool_spec_chosen_draft_length", (("batch_size", "1"),))]
+        assert 0 < length <= 3
+        parsed = parse_speculative(httpx.get(f"{url}/metrics").text)
+        assert parsed.chosen_length_by_batch == {1: length} and parsed.steps_by_batch[1] > 0
 
 
 def test_generate_cli_speculates_and_rejects_bad_flags(tiny_model_dir, capsys):
@@ -63,6 +68,9 @@ def test_bench_serve_measures_the_speculative_curve(tiny_model_dir, tmp_path):
         engine = tier["results"]["continuous+ngram"]["speculative_engine"]  # scraped from /metrics over the tier
         assert engine["proposer_seconds"] >= 0 and engine["verify_seconds"] >= 0
         assert engine["accepted_tokens"] <= engine["draft_tokens"]
+        # the chosen draft length per batch size the tier ran at (keys are batch sizes, values 0..k)
+        lengths = engine["chosen_draft_length_by_batch"]
+        assert lengths and all(int(n) >= 1 and 0 <= v <= 4 for n, v in lengths.items())
     ceiling = report["tiers"][0]["results"]["continuous+ngram"]["speculative_ceiling"]  # at concurrency 1 only
     assert 0 < ceiling["prefill_share"] < 1 and ceiling["full_acceptance"]["request_speedup"] >= 1.0
     assert "speculative_ceiling" not in report["tiers"][1]["results"]["continuous+ngram"]

@@ -54,6 +54,8 @@ class TierSpeculation:
     verify_seconds: float = 0.0
     draft_cost_ratio: float = 0.0
     verify_cost_per_token: float = 0.0
+    # the policy's mean draft length per sequence at each batch size it decoded at over the tier (0 = off)
+    chosen_draft_length_by_batch: dict[int, float] = field(default_factory=dict)
 
     @property
     def proposer_share(self) -> float:
@@ -68,13 +70,15 @@ class TierSpeculation:
                 "speculative_steps": self.speculative_steps, "plain_steps": self.plain_steps,
                 "proposer_seconds": self.proposer_seconds, "verify_seconds": self.verify_seconds,
                 "proposer_share": self.proposer_share, "draft_cost_ratio": self.draft_cost_ratio,
-                "verify_cost_per_token": self.verify_cost_per_token}
+                "verify_cost_per_token": self.verify_cost_per_token,
+                "chosen_draft_length_by_batch": {str(n): v for n, v in self.chosen_draft_length_by_batch.items()}}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TierSpeculation:
         usage = SpeculativeUsage(int(d["draft_tokens"]), int(d["accepted_tokens"]), int(d["verifications"]))
         return cls(usage, list(d["acceptance_by_position"]), int(d["speculative_steps"]), int(d["plain_steps"]),
-                   d["proposer_seconds"], d["verify_seconds"], d["draft_cost_ratio"], d["verify_cost_per_token"])
+                   d["proposer_seconds"], d["verify_seconds"], d["draft_cost_ratio"], d["verify_cost_per_token"],
+                   {int(n): float(v) for n, v in d.get("chosen_draft_length_by_batch", {}).items()})
 
 
 def tier_delta(before: SpeculativeStats | None, after: SpeculativeStats | None) -> TierSpeculation | None:
@@ -94,7 +98,19 @@ def tier_delta(before: SpeculativeStats | None, after: SpeculativeStats | None) 
                            after.steps_without_speculation - before.steps_without_speculation,
                            round(after.proposer_seconds - before.proposer_seconds, 4),
                            round(after.verify_seconds - before.verify_seconds, 4),
-                           round(after.draft_cost_ratio, 4), round(after.verify_cost_per_token, 4))
+                           round(after.draft_cost_ratio, 4), round(after.verify_cost_per_token, 4),
+                           _chosen_lengths(before, after))
+
+
+def _chosen_lengths(before: SpeculativeStats, after: SpeculativeStats) -> dict[int, float]:
+    """Mean draft length per sequence by batch size over the tier (the counters differenced)."""
+    out = {}
+    for n, steps in sorted(after.steps_by_batch.items()):
+        steps -= before.steps_by_batch.get(n, 0)
+        if steps > 0:
+            drafts = after.drafts_by_batch.get(n, 0) - before.drafts_by_batch.get(n, 0)
+            out[n] = round(drafts / (steps * n), 4)
+    return out
 
 
 def speculation_ceiling(engine: TierSpeculation, *, num_speculative_tokens: int,

@@ -60,9 +60,11 @@ def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_cache_dtype: str =
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto",
-                 shared: ModelRunner | None = None):
+                 shared: ModelRunner | None = None, layer_ids: list[int] | None = None):
         """`kv_cache_dtype`: auto (the model's dtype), fp8 or int8. `shared`: another runner whose cache this one
-        reads and writes (a self-draft sharing the target's), its dtype and scales included."""
+        reads and writes (a self-draft sharing the target's), its dtype and scales included. `layer_ids`: the
+        shared cache's layer each of `model`'s layers reads (a layer-skipping draft keeps some of the target's
+        layers, which keep their own cache slices); default layer i reads slice i."""
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
         c = model.config
         if shared is not None:
@@ -79,7 +81,7 @@ class ModelRunner:
             self.kv_scales = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads) if quantized \
                 else None
         kind = None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-        for i, layer in enumerate(model.layers):
+        for i, layer in zip(layer_ids or range(c.num_layers), model.layers, strict=True):
             attn = layer.attn
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
             attn.kv_kind = kind

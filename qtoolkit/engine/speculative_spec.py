@@ -10,11 +10,13 @@ from dataclasses import dataclass
 
 from ..errors import QToolError
 
-USAGE = "use ngram, draft:PATH, self-int4, self-fp8, self:PATH, eagle3:DIR (a `qtool train-draft` head) or none"
+USAGE = ("use ngram, draft:PATH, self-int4, self-fp8, self-skip, self-skip:K, self:PATH, eagle3:DIR (a `qtool "
+         "train-draft` head) or none")
 OFF = ("", "none", "off")
-PLAIN_KINDS = ("ngram", "self-int4", "self-fp8")  # proposers that read no folder
-PATH_KINDS = ("draft", "self", "eagle3")  # proposers written KIND:PATH
-_FORMS = {"draft": "draft:PATH", "self": "self:PATH", "eagle3": "eagle3:DIR"}
+PLAIN_KINDS = ("ngram", "self-int4", "self-fp8", "self-skip")  # proposers that read no folder
+# proposers written KIND:PATH; self-skip:K is the exception, its "path" is the number of layers the draft keeps
+PATH_KINDS = ("draft", "self", "eagle3", "self-skip")
+_FORMS = {"draft": "draft:PATH", "self": "self:PATH", "eagle3": "eagle3:DIR", "self-skip": "self-skip:K"}
 
 
 class SpeculativeConfigError(QToolError):
@@ -29,6 +31,9 @@ class SpeculativeSpec:
     def __post_init__(self) -> None:
         if self.kind in PLAIN_KINDS and self.path is None:
             return
+        if self.kind == "self-skip" and not (self.path and self.path.isdigit() and int(self.path) > 0):
+            raise SpeculativeConfigError(f"--speculative {str(self)!r}: K must be a positive whole number of "
+                                         "layers, e.g. self-skip:12, or write self-skip to let the engine pick it")
         if self.kind in PATH_KINDS and self.path:
             return
         raise SpeculativeConfigError(f"--speculative {str(self)!r} is unknown: {USAGE}")
@@ -59,6 +64,12 @@ class SpeculativeSpec:
         return self.kind.removeprefix("self-") if self.kind in ("self-int4", "self-fp8") else None
 
     @property
+    def skip_layers(self) -> int | None:
+        """self-skip:K -> K, the target layers the layer-skipping draft keeps; None for self-skip (the engine
+        picks) and every other kind."""
+        return int(self.path) if self.kind == "self-skip" and self.path is not None else None
+
+    @property
     def shares_target_kv(self) -> bool:
-        """A self-draft (in memory or a `self:` checkpoint) reads the target's KV cache."""
-        return self.kind == "self" or self.self_draft_format is not None
+        """A self-draft (in memory, layer-skipping or a `self:` checkpoint) reads the target's KV cache."""
+        return self.kind in ("self", "self-skip") or self.self_draft_format is not None

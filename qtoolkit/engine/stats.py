@@ -19,7 +19,8 @@ class SpeculativeStats(SpeculativeMetrics):
     @classmethod
     def snapshot(cls, metrics: SpeculativeMetrics, *, draft_cost_ratio: float,
                  verify_cost_per_token: float) -> SpeculativeStats:
-        copied = {f.name: list(v) if isinstance(v := getattr(metrics, f.name), list) else v for f in fields(metrics)}
+        copied = {f.name: v.copy() if isinstance(v := getattr(metrics, f.name), list | dict) else v
+                  for f in fields(metrics)}
         return cls(**copied, draft_cost_ratio=draft_cost_ratio, verify_cost_per_token=verify_cost_per_token)
 
     @property

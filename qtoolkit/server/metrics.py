@@ -143,6 +143,9 @@ _SPEC_SECONDS = ("qtool_spec_seconds", "phase", {"propose": "proposer_seconds", 
 _SPEC_STEPS = ("qtool_spec_decode_steps", "kind",
                {"speculative": "steps_with_speculation", "plain": "steps_without_speculation"})
 _SPEC_POSITIONS = "qtool_spec_position_tokens"
+# per batch size (decoding sequences in a step): steps and the draft tokens the policy gave them, and the mean
+# draft length per sequence that makes (vLLM's num_speculative_tokens_per_batch_size, as chosen at run time)
+_SPEC_BATCH = ("qtool_spec_batch_steps", "qtool_spec_batch_draft_tokens", "qtool_spec_chosen_draft_length")
 
 
 def _speculative(spec: SpeculativeStats) -> Iterator[Metric]:
@@ -166,6 +169,15 @@ def _speculative(spec: SpeculativeStats) -> Iterator[Metric]:
         counts.add_metric([str(i + 1), "accepted"], accepted)
         per_pos.add_metric([str(i + 1)], accepted)
     yield from (by_pos, per_pos, counts)
+    steps = CounterMetricFamily(_SPEC_BATCH[0], "Decode steps by batch size", labels=["batch_size"])
+    drafts = CounterMetricFamily(_SPEC_BATCH[1], "Draft tokens proposed by batch size", labels=["batch_size"])
+    chosen = GaugeMetricFamily(_SPEC_BATCH[2], "Mean draft length per sequence the policy chose, by batch size",
+                               labels=["batch_size"])
+    for n, length in spec.chosen_length_by_batch.items():
+        steps.add_metric([str(n)], spec.steps_by_batch[n])
+        drafts.add_metric([str(n)], spec.drafts_by_batch.get(n, 0))
+        chosen.add_metric([str(n)], length)
+    yield from (steps, drafts, chosen)
     for (name, label, fields), doc in ((_SPEC_SECONDS, "Time spent proposing and verifying"),
                                        (_SPEC_STEPS, "Decode steps with and without proposals")):
         family = CounterMetricFamily(name, doc, labels=[label])
@@ -186,6 +198,7 @@ def parse_speculative(text: str) -> SpeculativeStats | None:
     speculate (or is not ours). The one reader of this exporter's text (spec_ceiling.py differences two)."""
     values: dict[str, Any] = {}
     positions: dict[tuple[int, str], float] = {}
+    by_batch: dict[str, dict[int, int]] = {_SPEC_BATCH[0] + "_total": {}, _SPEC_BATCH[1] + "_total": {}}
     # a counter's value is exposed as the sample NAME_total, a gauge's as NAME
     scalars = {name + "_total" * (kind == "counter"): attr for attr, name, kind, _ in _SPEC_SCALARS}
     labelled = {name + "_total": (label, fields) for name, label, fields in (_SPEC_SECONDS, _SPEC_STEPS)}
@@ -198,6 +211,8 @@ def parse_speculative(text: str) -> SpeculativeStats | None:
             values[fields[tags[label]]] = value
         elif name == _SPEC_POSITIONS + "_total":
             positions[int(tags["position"]), tags["outcome"]] = value
+        elif name in by_batch:
+            by_batch[name][int(tags["batch_size"])] = int(value)
     # the labelled samples appear once the engine has reported speculation; a plain server shows none
     if "verify_seconds" not in values:
         return None
@@ -206,7 +221,9 @@ def parse_speculative(text: str) -> SpeculativeStats | None:
                                                              "steps_with_speculation", "steps_without_speculation")}
     return SpeculativeStats(**{**values, **counts},
                             proposed_at=[int(positions.get((p, "proposed"), 0)) for p in range(1, depth + 1)],
-                            accepted_at=[int(positions.get((p, "accepted"), 0)) for p in range(1, depth + 1)])
+                            accepted_at=[int(positions.get((p, "accepted"), 0)) for p in range(1, depth + 1)],
+                            steps_by_batch=by_batch[_SPEC_BATCH[0] + "_total"],
+                            drafts_by_batch=by_batch[_SPEC_BATCH[1] + "_total"])
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

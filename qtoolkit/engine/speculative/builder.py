@@ -13,6 +13,7 @@ from ..speculative_spec import SpeculativeConfigError, SpeculativeSpec
 from .base import MAX_SPECULATIVE_TOKENS, Proposer
 from .draft import DraftModelProposer
 from .eagle3 import Eagle3Proposer
+from .layer_skip import LayerSkipProposer, auto_depths
 from .ngram import NgramProposer
 from .self_draft import quantize_copy
 from .shared_kv import SharedKVDraftProposer, shares_kv_layout
@@ -62,6 +63,12 @@ def build_proposer(spec: SpeculativeSpec, target: LlamaModel, tokenizer, *, num_
         return NgramProposer()
     if spec.kind == "eagle3":
         return Eagle3Proposer(load_head(str(spec.path), target.config, dtype=target.dtype), target, name)
+    if spec.kind == "self-skip":
+        if target_runner is None:
+            raise SpeculativeConfigError(f"--speculative {name} reads the target's KV cache: it needs the engine's "
+                                         "model runner")
+        depths = [spec.skip_layers] if spec.skip_layers is not None else auto_depths(target.config.num_layers)
+        return LayerSkipProposer(target, target_runner, name, depths)
     if (fmt := spec.self_draft_format) is not None:
         draft = quantize_copy(target, fmt)
     else:

@@ -190,3 +190,80 @@ class SpeculationPolicy:
             old = self.verify_cost_at(num_seqs)
             self._verify_costs[num_seqs] = old + self.smoothing * (v - old)
             self._last_batch = num_seqs
+
+
+@dataclass
+class DepthState:
+    """What the chooser knows about one draft depth: its acceptance and the time of one of its draft steps."""
+
+    acceptance: float = 0.8
+    verifications: int = 0
+    step_seconds: deque[float] | None = None  # one draft step / the verification forward it fed, recent steps
+
+    def draft_cost(self) -> float | None:
+        return statistics.median(self.step_seconds) if self.step_seconds else None
+
+
+class DepthChooser:
+    """Which of a layer-skipping draft's depths (layers kept) drafts this step, by the policy's cost model.
+
+    A deeper draft agrees with the target more often and costs more per draft step; neither is known before the
+    workload runs (an untrained early exit's acceptance depends on the text), so each depth is measured as the
+    engine runs: EXPLORE_STEPS verifications each first, in turn, then the depth whose best k gives the largest
+    expected speedup E(k) / ((1 + k v) (1 + k r_d)) at its own acceptance a_d and draft cost r_d. One step in
+    REPROBE_STEPS goes to the depth measured least recently, so a change of workload can move the choice."""
+
+    EXPLORE_STEPS = 8
+    REPROBE_STEPS = 48
+
+    def __init__(self, depths: list[int], policy: SpeculationPolicy | None = None, smoothing: float = 0.1):
+        if not depths:
+            raise ValueError("a depth chooser needs at least one depth")
+        self.depths = sorted(set(depths))
+        self.policy = policy
+        self.smoothing = smoothing
+        self.states = {d: DepthState(step_seconds=deque(maxlen=9)) for d in self.depths}
+        self._picks = 0
+        self._last_used = {d: 0 for d in self.depths}
+
+    def gain(self, depth: int) -> float:
+        """Expected speedup of one verification at this depth's best k; 0 while its cost is unmeasured."""
+        state = self.states[depth]
+        r = state.draft_cost()
+        if r is None:
+            return 0.0
+        policy = self.policy or SpeculationPolicy(4)
+        v = policy.verify_cost
+        return max(policy.expected_tokens(state.acceptance, k) / ((1 + k * v) * (1 + k * r))
+                   for k in range(1, policy.max_k + 1))
+
+    @property
+    def best(self) -> int:
+        return max(self.depths, key=lambda d: (self.gain(d), -d))
+
+    def pick(self) -> int:
+        """The depth that drafts this step."""
+        self._picks += 1
+        unexplored = [d for d in self.depths if self.states[d].verifications < self.EXPLORE_STEPS]
+        if unexplored:
+            depth = unexplored[0]
+        elif len(self.depths) > 1 and self._picks % self.REPROBE_STEPS == 0:
+            depth = min((d for d in self.depths if d != self.best), key=self._last_used.__getitem__)
+        else:
+            depth = self.best
+        self._last_used[depth] = self._picks
+        return depth
+
+    def record(self, depth: int, proposed: int, accepted: int) -> None:
+        """One sequence's verification of `proposed` drafts from `depth`, of which the first `accepted` held."""
+        if proposed <= 0:
+            return
+        state = self.states[depth]
+        trials = accepted + (accepted < proposed)
+        state.acceptance += self.smoothing * (accepted / trials - state.acceptance)
+        state.verifications += 1
+
+    def observe(self, depth: int, draft_step_seconds: float, verify_seconds: float) -> None:
+        """One step's timing: a draft step at `depth` against the verification forward it fed."""
+        if draft_step_seconds > 0 and verify_seconds > 0:
+            self.states[depth].step_seconds.append(draft_step_seconds / verify_seconds)

@@ -38,7 +38,8 @@ def _dense_weight(module: nn.Module, name: str) -> torch.Tensor:
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
         raise SpeculativeConfigError(f"cannot make a quantized self-draft: {name} of the target is already "
-                                     "quantized; serve the full-precision model or pass --speculative draft:PATH")
+                                     "quantized; use --speculative self-skip (its own layers, any checkpoint) or "
+                                     "serve the full-precision model")
     return weight
 
 

@@ -36,10 +36,13 @@ def shares_kv_layout(draft: LlamaModel, target: LlamaModel) -> bool:
 class SharedKVDraftProposer:
     catch_up_cost = 0.0  # never behind: the target's cache already holds the context
 
-    def __init__(self, model: LlamaModel, target_runner: ModelRunner, name: str):
+    def __init__(self, model: LlamaModel, target_runner: ModelRunner, name: str, layer_ids: list[int] | None = None):
+        """`layer_ids`: the target layer behind each of the draft's layers when the draft is a subset of the
+        target's own layers (layer_skip.py); they read and write their own slices of the target's cache."""
         self.name = name
         self.model = model
-        self.runner = ModelRunner(model, target_runner.num_blocks, target_runner.block_size, shared=target_runner)
+        self.runner = ModelRunner(model, target_runner.num_blocks, target_runner.block_size, shared=target_runner,
+                                  layer_ids=layer_ids)
         self.generators: dict[str, torch.Generator] = {}
 
     def _drafting(self, index: int, seq: Sequence, k: int) -> Drafting:

@@ -40,6 +40,8 @@ class Speculator:
         self.features = proposer if isinstance(proposer, Eagle3Proposer) else None
         self.aux_layers = self.features.aux_layers if self.features is not None else ()
         self._propose_seconds = 0.0
+        if hasattr(proposer, "bind_policy"):  # a proposer that weighs its own options by the cost model
+            proposer.bind_policy(policy)
         draft = getattr(proposer, "model", None)  # a draft model's context bounds the engine's
         self.max_model_len = draft.config.max_position_embeddings if draft is not None else 1 << 62
 
@@ -90,6 +92,7 @@ class Speculator:
                 item.drafts = proposal.tokens[:k]
                 item.draft_probs = proposal.draft_probs if item.drafts else None
                 self.blocks.shrink(item.seq, len(item.seq) + len(item.drafts))  # a shorter proposal's reserve
+        self.metrics.record_step(len(decoding), sum(len(item.drafts) for item in decoding))
         if any(item.drafts for item in decoding):
             self.metrics.steps_with_speculation += 1
         else:
@@ -104,6 +107,8 @@ class Speculator:
         self.usage[seq.request_id] = self.usage_of(seq.request_id) + SpeculativeUsage(k, accepted, 1)
         self.policy.update(seq.request_id, k, accepted)
         self.metrics.record(k, accepted)
+        if k and hasattr(self.proposer, "feedback"):
+            self.proposer.feedback(k, accepted)
         return tokens
 
     def settle(self, item: WorkItem) -> None:
@@ -123,6 +128,8 @@ class Speculator:
         if drafted:
             self.metrics.verify_seconds += seconds
             self.policy.observe_cost(self._propose_seconds, max(drafted), seconds, len(work), sum(drafted))
+            if hasattr(self.proposer, "observe_step"):
+                self.proposer.observe_step(self._propose_seconds, max(drafted), seconds)
         elif all(item.decodes for item in work):
             self.policy.observe_plain(len(work), seconds)
 
