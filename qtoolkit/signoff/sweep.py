@@ -249,7 +249,8 @@ def _rejudge(c: Candidate, policy: Policy) -> Rejudge:
         bench = _load(c.folder / "bench.json")
         ablation = ablation_table(bench) if bench else None  # its rounds' intervals at the context's level
         assert c.run is not None
-        return evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals, ablation, c.run.quant)
+        return evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals, ablation, c.run.quant,
+                              bench)
     return run
 
 
