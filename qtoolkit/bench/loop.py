@@ -48,8 +48,10 @@ class Tier:
 
     def add_round(self, label: str, summary: dict[str, Any]) -> None:
         """One more round of `label` (load_client.summarize's dict)."""
-        for name, value in (("rounds", summary["output_tok_per_s"]), ("rounds_tpot", summary["tpot_s"]["p50"]),
-                            ("rounds_ttft", summary["ttft_s"]["p50"])):
+        # a summary without latencies (HF generate's) has no TPOT / TTFT: None, which no speed gate passes on
+        for name, value in (("rounds", summary["output_tok_per_s"]),
+                            ("rounds_tpot", (summary.get("tpot_s") or {}).get("p50")),
+                            ("rounds_ttft", (summary.get("ttft_s") or {}).get("p50"))):
             if getattr(self, name) is None:
                 setattr(self, name, {})
             getattr(self, name).setdefault(label, []).append(value)

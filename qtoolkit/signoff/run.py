@@ -35,7 +35,7 @@ from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
 from .sequential import describe, draw_until_decisive
-from .speed import round_looks, undecided
+from .speed import round_looks, speed_ratios, undecided
 from .steps import STEPS, SignoffConfig, StepRunner
 from .verdict import Evidence, decide
 
@@ -262,6 +262,9 @@ def _decide(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: d
     evals = EvalResults.load(out / "eval.json") if steps["eval"].get("status") == "ok" else None
     bench = _load(out / "bench.json") if steps["bench"].get("status") == "ok" else None
     ablation = ablation_table(bench) if bench else None
+    if ablation is not None and bench is not None and bench.get("speed_rounds"):  # the report's first lines
+        ablation["speed"] = {"pair": bench["speed_rounds"]["pair"],
+                             "figures": [f.to_json() for f in speed_ratios(bench, policy)]}
     gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, ablation, quant, bench)
     kv = _load(out / "bench_kv.json") if bench else None
     evidence = Evidence(steps, gates, evals, _load(out / "sequential.json"), quant, ablation,

@@ -155,6 +155,46 @@ def undecided(bench: dict[str, Any], policy: Policy) -> bool:
     return verdicts.FAIL not in js and any(v == verdicts.INCONCLUSIVE for v in js)
 
 
+def speed_limit(metric: str, policy: Policy) -> float | None:
+    """The bound a speed gate's lower end is held to, from its metric name (decode_tpot_ratio@c8); None for
+    another metric."""
+    kind = next((k for k, (_, name) in KINDS.items() if metric.split("@")[0] == name), None)
+    t = policy.throughput
+    if kind == DECODE:
+        return t.min_decode_speedup
+    if kind == PREFILL and t.prefill_margin is not None:
+        return 1 - t.prefill_margin
+    return None
+
+
 def speed_gate_name(fig: SpeedRatio) -> str:
     """The gate's metric: decode_tpot_ratio@c8; without a bench tier (concurrency 0) the kind alone."""
     return KINDS[fig.kind][1] + (f"@c{fig.concurrency}" if fig.concurrency else "")
+
+
+def speed_answer(figs: list[SpeedRatio], pair: list[str] | None) -> list[str]:
+    """The report's first lines: the speed answers in the user's units, each with its interval and level."""
+    if not figs:
+        return []
+
+    def one(f: SpeedRatio) -> str:
+        if f.ratio is None:
+            return f"not measured at c={f.concurrency}"
+        ci = f" [{f.ci[0]:.2f}, {f.ci[1]:.2f}]" if f.complete and f.ci else " (no interval)"
+        return f"{f.ratio:.2f}x at c={f.concurrency}{ci}"
+
+    levels = sorted({f"{f.level:.2%}" for f in figs if f.ratio is not None})
+    rounds = sorted({f.rounds for f in figs if f.ratio is not None})
+    parts = []
+    for kind, what in ((DECODE, "Decode (TPOT, baseline / candidate; > 1 = each stream faster)"),
+                       (PREFILL, "First token (TTFT, baseline / candidate; > 1 = sooner)")):
+        these = [f for f in figs if f.kind == kind]
+        if these:
+            parts.append(f"- {what}: " + "; ".join(one(f) for f in these))
+    served = f"`{pair[1]}` against `{pair[0]}`" if pair else "candidate against baseline"
+    return ["## Speed, as a deployment sees it", "",
+            f"{served}: the same serving configuration, only the recipe differs. Intervals at "
+            f"{', '.join(levels) or '-'} over {', '.join(map(str, rounds)) or '-'} paired rounds "
+            "(the level of the look the rounds stopped at).", "", *parts,
+            "- Capacity at an SLO: not gated by this policy (`qtool bench serve --slo ttft_ms=...,tpot_ms=...` "
+            "measures it per server).", ""]
