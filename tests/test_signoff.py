@@ -47,7 +47,7 @@ def test_report_files_and_verdict(run_dir):
     # the speed gates' pair (same serving configuration) got more rounds only while a gate was undecided
     bench = json.loads((run_dir / "bench.json").read_text())
     looks = bench["speed_rounds"]
-    assert looks["pair"] == ["baseline_continuous_spec", "candidate_continuous_spec"]
+    assert looks["pair"] == ["baseline_continuous", "candidate_continuous"]  # --speculative none: the default
     assert looks["looks"] == [3, 5, 7, 9] and looks["rounds"] in looks["looks"]
     gate = next(g for g in report["gates"] if g["name"] == "throughput.decode_tpot_ratio@c2")
     assert f"over {looks['rounds']} paired rounds" in gate["detail"] or gate["verdict"] == "NO EVIDENCE"

@@ -57,9 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "API keys come from QTOOLKIT_CANDIDATE_API_KEY / QTOOLKIT_BASELINE_API_KEY or OPENAI_API_KEY")
     p.add_argument("--concurrency", type=_ints, default=[1, 8], help="bench tiers, e.g. 1,8,32")
     p.add_argument("--num-requests", type=int, help="requests per bench tier (default: two waves of the tier)")
-    p.add_argument("--speculative", default="ngram",
+    # none by default: each proposer adds three ablation systems, each served --rounds rounds at every tier
+    # (about twice the bench step), and the speed gates then compare both sides with speculation on
+    p.add_argument("--speculative", default="none",
                    help="proposer of the ablation's speculative-decoding layer (ngram, self-int4, draft:PATH, eagle3:DIR, ...; "
-                        "default ngram; none leaves the layer out)")
+                        "default none: the layer is left out; with one, the speed gates compare both sides with it)")
     p.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,fp8,int8}",
                    help="the candidate's KV cache in its eval and bench servers (default auto: the checkpoint's "
                         "kv_cache_scheme when its recipe has one, else the model's dtype); a quantized cache adds "
