@@ -59,7 +59,8 @@ def test_identical_models_never_fail_quality_gates():
     # four all-equal deltas are too few for a reliable interval (evals/stats/paired.py): undecided, never FAIL
     assert not any(gates[f"code.{m}"].verdict == "FAIL" for m in ("kld_mean", "nll_delta", "pass_at_1_drop"))
     assert gates["code.kld_mean"].passed
-    assert not gates["throughput.min_speedup"].passed  # no bench results: never a silent PASS
+    # no bench results: never a silent PASS
+    assert not gates["throughput.decode_tpot_ratio"].passed and not gates["throughput.prefill_ttft_ratio"].passed
 
 
 def _bench_tier(base: float, full: float, rounds: dict[str, list[float]] | None) -> dict:
@@ -84,6 +85,12 @@ def test_ratio_over_rounds_is_a_t_interval_on_log_ratios():
         ratio_over_rounds([1.0, 2.0], [1.0])
 
 
+def _full_stack_policy():
+    """The older full-stack gate (still a deployment sign-off's): the default policy gates speed like with like."""
+    policy = load_policy("default")
+    return policy.model_copy(update={"throughput": policy.throughput.model_copy(update={"min_speedup": 1.0})})
+
+
 @pytest.mark.parametrize("rounds, passed", [
     (None, False),  # one round: a 1.2x point bounds no noise, so INCONCLUSIVE, never a PASS
     ({"baseline_static": [10.0, 10.0, 10.0], "candidate_continuous": [12.0, 12.4, 11.8]}, True),
@@ -94,7 +101,7 @@ def test_throughput_gate_judges_the_lower_bound_over_rounds(rounds, passed):
     from qtoolkit.bench.ablation import ablation_table
 
     ab = ablation_table(_bench_tier(10.0, 12.0, rounds))
-    policy = load_policy("default")
+    policy = _full_stack_policy()
     gate = {g.name: g for g in evaluate_gates(policy, None, ab, None)}["throughput.min_speedup"]
     assert gate.passed is passed
     if rounds:
@@ -109,7 +116,7 @@ def test_throughput_gate_names_its_interval_and_an_unreliable_one_decides_nothin
 
     ab = ablation_table(_bench_tier(10.0, 12.0, {"baseline_static": [10.0, 10.0, 10.0],
                                                  "candidate_continuous": [12.0, 12.4, 11.8]}))
-    policy = load_policy("default")
+    policy = _full_stack_policy()
     gate = {g.name: g for g in evaluate_gates(policy, None, ab, None)}["throughput.min_speedup"]
     assert gate.verdict == "PASS" and "log ratios" in gate.ci_method and gate.ci_coverage >= 0.93
     ab["tiers"][-1]["total_speedup_rounds"]["ci_reliable"] = False  # a round count the harness does not vouch for

@@ -68,7 +68,11 @@ def test_worst_gate_skips_a_gate_without_evidence():
 def test_limit_fraction_reads_each_gate_against_its_own_limit():
     policy = load_policy("default")
     assert limit_fraction(Gate("code", "kld_mean", True, "", 0.01, 0.05), policy) == pytest.approx(0.5)
-    assert limit_fraction(Gate("throughput", "min_speedup", True, "", 1.3, 1.25), policy) == pytest.approx(0.8)
+    # the speed gates: decode against min_decode_speedup 1.0, prefill against 1 - prefill_margin 0.9
+    assert limit_fraction(Gate("throughput", "decode_tpot_ratio@c8", True, "", 1.3, 1.25), policy) == \
+        pytest.approx(0.8)
+    assert limit_fraction(Gate("throughput", "prefill_ttft_ratio@c1", True, "", 1.0, 0.9), policy) == \
+        pytest.approx(1.0)
     assert limit_fraction(Gate("memory", "max_linear_ratio_vs_bf16", True, "", 0.5, 0.5), policy) == pytest.approx(
         0.5 / 0.55)
     assert limit_fraction(Gate("code", "kld_mean", False, "no evidence"), policy) is None

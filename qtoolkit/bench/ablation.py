@@ -70,6 +70,26 @@ def full_stack_system(systems: list[str]) -> str:
     return FULL_STACK.label if FULL_STACK.label in systems else FULL_STACK_PLAIN.label
 
 
+def speed_pair(labels: list[str]) -> tuple[str, str]:
+    """The speed gates' like-with-like pair: the baseline and the candidate under the same serving configuration
+    (continuous batching, with speculation when the run has a proposer, the same KV budget): what the recipe
+    changes and nothing else."""
+    spec = System("continuous", "speculative", "baseline")
+    if spec.label in labels:
+        return spec.label, FULL_STACK.label
+    return System("continuous", quant="baseline").label, FULL_STACK_PLAIN.label
+
+
+@dataclass(frozen=True)
+class SpeedLooks:
+    """Rounds added until the speed gates decide: `looks` are the planned round counts of the pair at every tier
+    (the first is the ablation's own --rounds); after each look `decided(bench)` says whether to stop, `bench`
+    holding bench.json's `tiers` and `speed_rounds` so far. The caller (the sign-off) sets each look's level."""
+
+    looks: tuple[int, ...]
+    decided: Callable[[dict[str, Any]], bool]
+
+
 def _mode(system: System, engine: EngineConfig) -> dict[str, Any]:
     """The engine-mode switch that makes a loaded server run `system` (speculation only when a proposer is
     loaded: without one every system is plain)."""
@@ -89,6 +109,8 @@ class _Bench:
     max_output_tokens: int
     rounds: int
     repeat: list[str]
+    every_tier: bool = False
+    speed: SpeedLooks | None = None
     servers: dict[str, tuple[ControlledServer, str]] = field(default_factory=dict)
 
     def start(self, stack: contextlib.ExitStack, quant: str, model: str) -> None:
@@ -109,7 +131,8 @@ class _Bench:
 
     def loop(self, labels: list[str]) -> TierLoop:
         return TierLoop(labels, self.measure, self.traffic, self.seed, self.mean_output_tokens,
-                        self.max_output_tokens, self.rounds, repeat=[x for x in self.repeat if x in labels])
+                        self.max_output_tokens, self.rounds, repeat=[x for x in self.repeat if x in labels],
+                        every_tier=self.every_tier)
 
 
 def _split(systems: list[System], repeat: list[str]) -> tuple[list[str], list[str]]:
@@ -125,8 +148,10 @@ def _merge(shared: list[Tier], own: list[Tier], labels: list[str]) -> list[dict[
     for a, b in zip(shared, own, strict=True):
         both = {**a.results, **b.results}
         results = {x: both[x] for x in labels if x in both}
-        tier = Tier(b.concurrency, b.requests, results,
-                    None if a.rounds is None and b.rounds is None else {**(a.rounds or {}), **(b.rounds or {})})
+        tier = Tier(b.concurrency, b.requests, results)
+        for name in ("rounds", "rounds_tpot", "rounds_ttft"):
+            x, y = getattr(a, name), getattr(b, name)
+            setattr(tier, name, None if x is None and y is None else {**(x or {}), **(y or {})})
         out.append(tier.to_json())
     return out
 
@@ -134,7 +159,8 @@ def _merge(shared: list[Tier], own: list[Tier], labels: list[str]) -> list[dict[
 def bench_candidates(baseline: str | Path, candidates: dict[str, str | Path], engine: EngineConfig | None = None, *,
                      concurrency: list[int], num_requests: int | None = None, mean_output_tokens: int = 48,
                      max_output_tokens: int = 96, workload: str | Workload = "mixed", seed: int = 0,
-                     rounds: int = 1, repeat: tuple[str, ...] = ("baseline_static", "full_stack"),
+                     rounds: int = 1, repeat: tuple[str, ...] | None = ("baseline_static", "full_stack"),
+                     speed: SpeedLooks | None = None,
                      on_candidate: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, dict[str, Any]]:
     """The ablation of each candidate against one baseline, holding at most two servers (the baseline's, kept,
     and one candidate's at a time), each switched between batching modes and speculation between measurements.
@@ -143,7 +169,10 @@ def bench_candidates(baseline: str | Path, candidates: dict[str, str | Path], en
     (and any repeated baseline system) interleaved on the same requests and rounds, so its ratios are paired in
     time. Each result has bench_ablation's shape (the shared baseline figures included) plus `peak_memory`; a
     candidate whose server fails gets {"error": ...} instead and the others go on. `on_candidate(name, result)`
-    runs as each one finishes."""
+    runs as each one finishes.
+
+    `repeat` None: every system serves `rounds` rounds at every tier (each layer gets an interval per tier);
+    `speed` then adds rounds of the speed gates' pair (speed_pair) until they decide."""
     traffic = as_workload(workload)
     # every server admits the top tier at once, whatever the caller's max_num_seqs
     engine = (engine or EngineConfig()).replace(max_num_seqs=max(concurrency))
@@ -151,8 +180,10 @@ def bench_candidates(baseline: str | Path, candidates: dict[str, str | Path], en
                           mean_output_tokens=mean_output_tokens, max_output_tokens=max_output_tokens)
     systems = BASE_SYSTEMS + speculative_systems(engine.speculative)
     labels = [s.label for s in systems]
+    everything = repeat is None
+    repeat = tuple(labels) if repeat is None else repeat
     bench = _Bench(engine, traffic, systems, seed, mean_output_tokens, max_output_tokens, rounds,
-                   [full_stack_system(labels) if x == "full_stack" else x for x in repeat])
+                   [full_stack_system(labels) if x == "full_stack" else x for x in repeat], everything, speed)
     once, paired = _split(systems, bench.repeat)
     results: dict[str, dict[str, Any]] = {}
     with peak_memory() as peak, contextlib.ExitStack() as stack:
@@ -185,9 +216,11 @@ def _candidate(bench: _Bench, baseline: str, candidate: str, shared: list[Tier],
         bench.start(stack, "candidate", candidate)
         loop = bench.loop(paired)
         own = loop.run(loop.plan(concurrency, num_requests))
+        looks = _speed_rounds(bench, loop, shared, own)
     bench.servers.pop("candidate", None)
     engine = bench.engine
-    return {**provenance(baseline=baseline, candidate=candidate, workload_sha256=requests_sha256(loop.requests),
+    extra = {} if looks is None else {"speed_rounds": looks}
+    return {**extra, **provenance(baseline=baseline, candidate=candidate, workload_sha256=requests_sha256(loop.requests),
                          rounds_workload_sha256=requests_sha256(loop.round_requests)),
             "config": {"concurrency": concurrency, "workload": bench.traffic.describe(),
                        "speculative": engine.speculative, "mean_output_tokens": bench.mean_output_tokens,
@@ -197,10 +230,31 @@ def _candidate(bench: _Bench, baseline: str, candidate: str, shared: list[Tier],
             "tiers": _merge(shared, own, [s.label for s in bench.systems])}
 
 
+def _speed_rounds(bench: _Bench, loop: TierLoop, shared: list[Tier], own: list[Tier]) -> dict[str, Any] | None:
+    """The speed gates' further looks: rounds of the pair at every tier until `decided` or the last look."""
+    if bench.speed is None or not bench.every_tier:
+        return None
+    labels = [s.label for s in bench.systems]
+    pair = list(speed_pair(labels))
+    measured = bench.rounds
+
+    def so_far() -> dict[str, Any]:
+        return {"pair": pair, "looks": list(bench.speed.looks), "rounds": measured}
+
+    for target in bench.speed.looks[1:]:
+        if bench.speed.decided({"tiers": _merge(shared, own, labels), "speed_rounds": so_far()}):
+            break
+        status(f"speed gates undecided after {measured} rounds: {target} rounds of {' and '.join(pair)}")
+        loop.more_rounds(own, pair, target)
+        measured = target
+    return so_far()
+
+
 def bench_ablation(baseline: str | Path, candidate: str | Path, engine: EngineConfig | None = None, *,
                    concurrency: list[int], num_requests: int | None = None, mean_output_tokens: int = 48,
                    max_output_tokens: int = 96, workload: str | Workload = "mixed", seed: int = 0, rounds: int = 1,
-                   repeat: tuple[str, ...] = ("baseline_static", "full_stack")) -> dict[str, Any]:
+                   repeat: tuple[str, ...] | None = ("baseline_static", "full_stack"),
+                   speed: SpeedLooks | None = None) -> dict[str, Any]:
     """Every system on the same requests, tier by tier, alternating the order between tiers: bench_candidates
     with one candidate (two servers, switched between systems); its failure is raised.
 
@@ -211,7 +265,7 @@ def bench_ablation(baseline: str | Path, candidate: str | Path, engine: EngineCo
     result = bench_candidates(baseline, {"candidate": candidate}, engine, concurrency=concurrency,
                               num_requests=num_requests, mean_output_tokens=mean_output_tokens,
                               max_output_tokens=max_output_tokens, workload=workload, seed=seed, rounds=rounds,
-                              repeat=repeat)["candidate"]
+                              repeat=repeat, speed=speed)["candidate"]
     if "error" in result:
         raise QToolError(result["error"])
     return result
@@ -247,6 +301,21 @@ class AblationRow:
     stacking_efficiency: float | None = None  # 1: the layers compound; < 1: one's gain was taken by another
     total_speedup_rounds: dict[str, Any] | None = None
     quantization_speedup_rounds: dict[str, Any] | None = None
+    # with rounds of every system at this tier: each stacked layer's gain over the layer below and each layer
+    # alone over the baseline, as ratio_over_rounds' figures (95% t-intervals over the paired rounds)
+    marginal_rounds: dict[str, dict[str, Any]] | None = None
+    alone_rounds: dict[str, dict[str, Any]] | None = None
+
+    @property
+    def speculation_pays(self) -> str | None:
+        """Whether the speculative layer (on continuous batching) still pays at this tier: "yes" when its gain's
+        interval is above 1, "no" when below (its gain compresses under load), "undecided" when it straddles 1;
+        None without speculation or rounds."""
+        r = (self.marginal_rounds or {}).get(STACK[2].label)
+        ci = (r or {}).get("ci95")
+        if not ci or None in ci:
+            return None
+        return "yes" if ci[0] > 1 else "no" if ci[1] < 1 else "undecided"
 
     @property
     def quantization_speedup(self) -> float | None:
@@ -256,7 +325,8 @@ class AblationRow:
         out: dict[str, Any] = {"concurrency": self.concurrency, "steps": [s.to_json() for s in self.steps],
                                "total_speedup": self.total_speedup, "alone_speedup": dict(self.alone_speedup),
                                "quantization_speedup": self.quantization_speedup}
-        for key in ("stacking_efficiency", "total_speedup_rounds", "quantization_speedup_rounds"):
+        for key in ("stacking_efficiency", "total_speedup_rounds", "quantization_speedup_rounds", "marginal_rounds",
+                    "alone_rounds", "speculation_pays"):
             if (value := getattr(self, key)) is not None:
                 out[key] = value
         return out
@@ -265,7 +335,7 @@ class AblationRow:
     def from_json(cls, d: dict[str, Any]) -> AblationRow:
         return cls(d["concurrency"], [AblationStep.from_json(s) for s in d["steps"]], d.get("total_speedup"),
                    dict(d.get("alone_speedup") or {}), d.get("stacking_efficiency"), d.get("total_speedup_rounds"),
-                   d.get("quantization_speedup_rounds"))
+                   d.get("quantization_speedup_rounds"), d.get("marginal_rounds"), d.get("alone_rounds"))
 
     @classmethod
     def from_tier(cls, tier: TierRecord) -> AblationRow:
@@ -286,14 +356,26 @@ class AblationRow:
         total = steps[-1].output_tok_per_s / base if steps and base else None
         rounds = tier.rounds or {}
 
-        def over_rounds(system: str) -> dict[str, Any] | None:
-            if BASELINE_STATIC.label in rounds and system in rounds:
-                return ratio_over_rounds(rounds[system], rounds[BASELINE_STATIC.label])
-            return None
+        def over_rounds(system: str, below: str = BASELINE_STATIC.label) -> dict[str, Any] | None:
+            return paired_rounds(rounds, system, below)
 
+        marginal = {s.label: r for s, below in zip(steps[1:], steps, strict=False)
+                    if (r := over_rounds(s.system, below.system)) is not None}
+        alone_r = {layer.label: r for layer in ALONE if (r := over_rounds(layer.system.label)) is not None}
         return cls(tier.concurrency, steps, total, alone,
                    total / math.prod(alone.values()) if total and alone else None,
-                   over_rounds(full_stack_system(list(tier.results))), over_rounds(QUANTIZATION_ALONE.label))
+                   over_rounds(full_stack_system(list(tier.results))), over_rounds(QUANTIZATION_ALONE.label),
+                   marginal or None, alone_r or None)
+
+
+def paired_rounds(rounds: dict[str, list[float]], numerator: str, denominator: str) -> dict[str, Any] | None:
+    """numerator / denominator over the rounds both served (paired by round index: the speed gates' pair may
+    have served more rounds than the other systems); None with fewer than two such rounds."""
+    a, b = rounds.get(numerator) or [], rounds.get(denominator) or []
+    n = min(len(a), len(b))
+    if n < 2 or min(a[:n]) <= 0 or min(b[:n]) <= 0:
+        return None
+    return ratio_over_rounds(a[:n], b[:n])
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ import time
 from typing import Any
 
 import httpx
-import numpy as np
 
 from ..endpoints.deployment import RETRY_STATUS, backoff_s
 from ..engine.params import SpeculativeUsage
 from ..provenance import text_sha256
+from .summary import SLO, TierSummary
 from .types import BenchRequest, RequestResult
 from .vllm_names import vllm_metrics
 from .workloads import arrival_offsets, build_workload
@@ -107,14 +107,15 @@ async def _stream_once(client: httpx.AsyncClient, url: str, body: dict[str, Any]
 
 async def run_load(base_url: str, model: str, requests: list[BenchRequest], *, concurrency: int,
                    rate: float | None = None, seed: int = 0, api: str = "completions", ignore_eos: bool = True,
-                   api_key: str | None = None) -> tuple[list[RequestResult], float]:
-    """Send `requests` with at most `concurrency` in flight (Poisson arrivals at `rate`/s if given).
+                   api_key: str | None = None, burstiness: float = 1.0) -> tuple[list[RequestResult], float]:
+    """Send `requests` with at most `concurrency` in flight (arrivals at `rate`/s if given: Poisson, or gamma
+    with shape `burstiness`).
 
     Returns per-request results and the wall time from the first send to the last completion.
     """
     urls = {kind: f"{base_url}/v1/{kind}" for kind in ("completions", "chat/completions")}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    offsets = arrival_offsets(len(requests), rate, seed=seed)
+    offsets = arrival_offsets(len(requests), rate, seed=seed, burstiness=burstiness)
     slots = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=_REQUEST_TIMEOUT_S) as client:
@@ -125,44 +126,24 @@ async def run_load(base_url: str, model: str, requests: list[BenchRequest], *, c
             async with slots:
                 body = request_body(model, req, api=api, ignore_eos=ignore_eos)
                 chat = api == "chat" or req.messages is not None
-                return await stream_request(client, urls["chat/completions" if chat else "completions"], body,
-                                            req.index)
+                sent_at = time.perf_counter() - start
+                result = await stream_request(client, urls["chat/completions" if chat else "completions"], body,
+                                              req.index)
+                result.sent_at = sent_at
+                return result
 
         results = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets, strict=True)))
         duration = time.perf_counter() - start
     return list(results), duration
 
 
-def _percentiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p99": None, "mean": None}
-    a = np.asarray(values, dtype=float)
-    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
-
-
-def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
-    """A tier's figures: throughput over the whole run, latency percentiles over completed requests."""
-    ok = [r for r in results if r.ok]
-    output_tokens = sum(r.output_tokens for r in ok)
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1]
-    errors = sorted({r.error for r in results if r.error})
-    return {
-        "num_requests": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "duration_s": duration,
-        "prompt_tokens": sum(r.prompt_tokens for r in ok),
-        "output_tokens": output_tokens,
-        "output_tok_per_s": output_tokens / duration if duration > 0 else 0.0,
-        "requests_per_s": len(ok) / duration if duration > 0 else 0.0,
-        "ttft_s": _percentiles([r.ttft for r in ok if r.ttft is not None]),
-        "tpot_s": _percentiles(tpot),
-        "itl_s": _percentiles([x for r in ok for x in r.itl]),
-        "latency_s": _percentiles([r.latency for r in ok]),
-        "errors": errors[:5],
-        **_speculative_summary(ok),
-        **vllm_metrics(results, duration),  # the same run in vLLM's names and units (ms)
-    }
+def summarize(results: list[RequestResult], duration: float, *, slo: SLO | None = None,
+              rate: float | None = None) -> dict[str, Any]:
+    """A tier's figures (TierSummary's JSON: throughput over the whole run, latency distributions over completed
+    requests, goodput under `slo`, saturation under open-loop `rate`), the speculation counters and the same run
+    in vLLM's names and units (ms)."""
+    return {**TierSummary.of(results, duration, slo=slo, rate=rate).to_json(), **_speculative_summary(
+        [r for r in results if r.ok]), **vllm_metrics(results, duration)}
 
 
 def _speculative_summary(ok: list[RequestResult]) -> dict[str, Any]:

@@ -38,16 +38,30 @@ class Tier:
     requests: list[BenchRequest]
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     rounds: dict[str, list[float]] | None = None
+    # beside each round's output tok/s: its median TPOT and median TTFT (seconds), the speed gates' figures
+    rounds_tpot: dict[str, list[float | None]] | None = None
+    rounds_ttft: dict[str, list[float | None]] | None = None
 
     @property
     def num_requests(self) -> int:
         return len(self.requests)
 
+    def add_round(self, label: str, summary: dict[str, Any]) -> None:
+        """One more round of `label` (load_client.summarize's dict)."""
+        # a summary without latencies (HF generate's) has no TPOT / TTFT: None, which no speed gate passes on
+        for name, value in (("rounds", summary["output_tok_per_s"]),
+                            ("rounds_tpot", (summary.get("tpot_s") or {}).get("p50")),
+                            ("rounds_ttft", (summary.get("ttft_s") or {}).get("p50"))):
+            if getattr(self, name) is None:
+                setattr(self, name, {})
+            getattr(self, name).setdefault(label, []).append(value)
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"concurrency": self.concurrency, "num_requests": self.num_requests,
                                "results": self.results}
-        if self.rounds is not None:
-            out["rounds"] = self.rounds
+        for name in ("rounds", "rounds_tpot", "rounds_ttft"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
 
@@ -59,10 +73,13 @@ class TierRecord:
     num_requests: int
     results: dict[str, dict[str, Any]]
     rounds: dict[str, list[float]] | None = None
+    rounds_tpot: dict[str, list[float | None]] | None = None
+    rounds_ttft: dict[str, list[float | None]] | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TierRecord:
-        return cls(int(d["concurrency"]), int(d["num_requests"]), dict(d["results"]), d.get("rounds"))
+        return cls(int(d["concurrency"]), int(d["num_requests"]), dict(d["results"]), d.get("rounds"),
+                   d.get("rounds_tpot"), d.get("rounds_ttft"))
 
     def tok_per_s(self, label: str) -> float | None:
         """The system's output tok/s at this tier; None when it was not measured or completed nothing."""
@@ -142,18 +159,30 @@ class TierLoop:
                 self.on_result(t, tier)
 
     def _repeat(self, t: int, tier: Tier, labels: list[str], k: int) -> None:
-        per_round = {label: [tier.results[label]["output_tok_per_s"]] for label in labels}
+        for label in labels:
+            tier.add_round(label, tier.results[label])
         for r in range(1, self.rounds):
-            reqs = fresh_requests(self.workload, tier.num_requests, self.requests + self.round_requests,
-                                  seed=self.seed + 100 * (k + 1) + r, mean_output_tokens=self.mean_output_tokens,
-                                  max_output_tokens=self.max_output_tokens)
-            self.round_requests.extend(reqs)
-            for label in interleaved(labels, r):
-                status(f"concurrency {tier.concurrency}, round {r + 1}/{self.rounds}: {len(reqs)} requests "
-                       f"against {label}")
-                per_round[label].append(self.measure(label, reqs, tier.concurrency, self.seed + t + r)
-                                        ["output_tok_per_s"])
-        tier.rounds = per_round
+            self._round(t, tier, labels, k, r, f"round {r + 1}/{self.rounds}")
+
+    def _round(self, t: int, tier: Tier, labels: list[str], k: int, r: int, name: str) -> None:
+        """Round r of the k-th repeated tier: fresh requests, `labels` interleaved."""
+        reqs = fresh_requests(self.workload, tier.num_requests, self.requests + self.round_requests,
+                              seed=self.seed + 100 * (k + 1) + r, mean_output_tokens=self.mean_output_tokens,
+                              max_output_tokens=self.max_output_tokens)
+        self.round_requests.extend(reqs)
+        for label in interleaved(labels, r):
+            status(f"concurrency {tier.concurrency}, {name}: {len(reqs)} requests against {label}")
+            tier.add_round(label, self.measure(label, reqs, tier.concurrency, self.seed + t + r))
+
+    def more_rounds(self, tiers: list[Tier], labels: list[str], until: int) -> None:
+        """Rounds of `labels` at every tier until each has `until` (the speed gates' further looks); a tier's
+        k-th repeated index is its position, as when `every_tier` repeated them."""
+        for t, tier in enumerate(tiers):
+            done = len((tier.rounds or {}).get(labels[0], []))
+            for r in range(done, until):
+                self._round(t, tier, labels, t, r, f"round {r + 1}")
+            if self.on_result is not None:
+                self.on_result(t, tier)
 
 
 def ratio_rounds(rounds: dict[str, list[float]], numerator: str, denominator: str) -> dict[str, Any] | None:

@@ -22,8 +22,10 @@ from ..progress import status
 from ..provenance import provenance
 from ..server.process import server_process
 from .load_client import normalize_endpoint, requests_sha256, run_load, served_models, summarize, warm_up
-from .loop import Measure, Tier, TierLoop, ratio_rounds
+from .loop import Measure, Tier, TierLoop, fresh_requests, ratio_rounds
+from .slo_sweep import slo_sweep
 from .spec_ceiling import TierSpeculation, prefill_share, scrape_speculative, speculation_ceiling, tier_delta
+from .summary import SLO, TierSummary
 from .systems import ENDPOINT, HF, System, serve_systems
 from .types import BenchRequest, Workload
 from .vllm_names import vllm_run_fields
@@ -187,7 +189,20 @@ def _start_servers(stack: contextlib.ExitStack, model: str, systems: list[System
     return urls
 
 
-def _measurer(urls: dict[str, str], systems: list[System], model: str, *, rate: float | None, api: str,
+@dataclass(frozen=True)
+class Arrivals:
+    """How a tier's requests arrive: closed-loop (rate None: all at once, at most the tier's concurrency in
+    flight) or open-loop at `rate`/s (Poisson; gamma gaps of shape `burstiness` otherwise), and the SLO that
+    goodput counts against and the sweep searches under."""
+
+    rate: float | None = None
+    burstiness: float = 1.0
+    slo: SLO | None = None
+    slo_requests: int = 24  # requests per probe of the SLO sweep
+    slo_start_rate: float | None = None  # None: the system's closed-loop requests/s at the first tier
+
+
+def _measurer(urls: dict[str, str], systems: list[System], model: str, *, arrivals: Arrivals, api: str,
               ignore_eos: bool, api_key: str | None) -> Measure:
     """How one system serves one batch of requests: the load generator's summary, plus, for a speculative
     system, what its engine did meanwhile (two /metrics scrapes differenced)."""
@@ -195,9 +210,10 @@ def _measurer(urls: dict[str, str], systems: list[System], model: str, *, rate: 
 
     def measure(label: str, reqs: list[BenchRequest], concurrency: int, seed: int) -> dict[str, Any]:
         before = scrape_speculative(urls[label], api_key) if label in speculative else None
-        res, duration = asyncio.run(run_load(urls[label], model, reqs, concurrency=concurrency, rate=rate,
-                                             seed=seed, api=api, ignore_eos=ignore_eos, api_key=api_key))
-        summary = summarize(res, duration)
+        res, duration = asyncio.run(run_load(urls[label], model, reqs, concurrency=concurrency, rate=arrivals.rate,
+                                             seed=seed, api=api, ignore_eos=ignore_eos, api_key=api_key,
+                                             burstiness=arrivals.burstiness))
+        summary = summarize(res, duration, slo=arrivals.slo, rate=arrivals.rate)
         if label in speculative and (engine := tier_delta(before, scrape_speculative(urls[label], api_key))):
             summary["speculative_engine"] = engine.to_json()
         return summary
@@ -208,7 +224,7 @@ def _measurer(urls: dict[str, str], systems: list[System], model: str, *, rate: 
 def bench_serve(model: str = "default", engine: EngineConfig | None = None, *, endpoint: str | None = None,
                 concurrency: list[int] | None = None, batching: list[str] | None = None,
                 speculative: list[str] | None = None, workload: str | Workload = "mixed", rate: float | None = None,
-                num_requests: int | None = None, compare_hf: bool = False, seed: int = 0,
+                arrivals: Arrivals | None = None, num_requests: int | None = None, compare_hf: bool = False, seed: int = 0,
                 mean_output_tokens: int = 64, max_output_tokens: int = 128, api: str = "completions",
                 ignore_eos: bool = True, api_key: str | None = None, rounds: int = 1,
                 on_tier: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -218,8 +234,11 @@ def bench_serve(model: str = "default", engine: EngineConfig | None = None, *, e
     (`batching` x [no speculation, *`speculative`]). With rounds > 1 each tier is served again on fresh requests,
     rounds - 1 more times, interleaved, and every ratio gets a 95% interval over the rounds.
     `on_tier(report)` is called after each measured system with the report so far (`complete` stays False until
-    the end)."""
+    the end). `arrivals` (or `rate` alone) sets open-loop arrivals; with an SLO each system also gets an SLO
+    sweep after the tiers (report["slo_sweep"][label]: capacity, probes, saturated rates)."""
     engine = engine or EngineConfig()
+    arrivals = arrivals or Arrivals(rate)
+    rate = arrivals.rate
     concurrency = concurrency or [1, 4, 16, 32]
     _check_serve_args(endpoint, concurrency, compare_hf, rounds, engine)
     systems = [System(kind=ENDPOINT)] if endpoint else serve_systems(batching or ["continuous"], speculative or [])
@@ -235,13 +254,16 @@ def bench_serve(model: str = "default", engine: EngineConfig | None = None, *, e
             warm_up(url, model, seed=seed, api=api, ignore_eos=ignore_eos, api_key=api_key)
         first = next(iter(urls))  # a workload file's lines without max_tokens: their answer length here
         traffic.attach_length_probe(urls[first], model, name=first, api_key=api_key)
-        loop = TierLoop(list(urls), _measurer(urls, systems, model, rate=rate, api=api, ignore_eos=ignore_eos,
-                                              api_key=api_key),
+        measure = _measurer(urls, systems, model, arrivals=arrivals, api=api, ignore_eos=ignore_eos,
+                            api_key=api_key)
+        loop = TierLoop(list(urls), measure,
                         traffic, seed, mean_output_tokens, max_output_tokens, rounds, every_tier=True)
         tiers = loop.plan(concurrency, num_requests)
         hf = _load_hf_warm(source, engine.dtype, seed) if compare_hf else None
         config = {"model": model, "endpoint": endpoint, "systems": list(urls) + ([HF] if hf else []),
-                  "concurrency": concurrency, "workload": traffic.describe(), "rate_qps": rate, "seed": seed,
+                  "concurrency": concurrency, "workload": traffic.describe(), "rate_qps": rate,
+                  "burstiness": arrivals.burstiness, "slo": None if arrivals.slo is None else vars(arrivals.slo),
+                  "seed": seed,
                   "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens, "api": api,
                   "ignore_eos": ignore_eos, "kv_cache_memory": engine.kv_cache_memory,
                   "max_num_seqs": engine.max_num_seqs, "dtype": engine.dtype, "speculative": speculative or [],
@@ -254,10 +276,37 @@ def bench_serve(model: str = "default", engine: EngineConfig | None = None, *, e
         report = {**prov, "config": config, "complete": False, "tiers": []}
         _measure_tiers(loop, tiers, report, hf, _Reporter(report, systems, rate, engine.num_speculative_tokens,
                                                           on_tier))
+        if arrivals.slo is not None:
+            report["slo_sweep"] = _sweep_systems(loop, urls, model, arrivals, report, api=api,
+                                                 ignore_eos=ignore_eos, api_key=api_key)
     if rounds > 1:
         report["inputs"]["rounds_workload_sha256"] = requests_sha256(loop.round_requests)
     report["complete"] = True
     return report
+
+
+def _sweep_systems(loop: TierLoop, urls: dict[str, str], model: str, arrivals: Arrivals, report: dict[str, Any],
+                   **client: Any) -> dict[str, Any]:
+    """Each system's SLO sweep, open-loop (no concurrency cap), on prompts no tier had, after the tiers."""
+    assert arrivals.slo is not None
+    out: dict[str, Any] = {}
+    for label, url in urls.items():
+        first = report["tiers"][0]["results"].get(label) or {}
+        start = arrivals.slo_start_rate or first.get("requests_per_s") or 1.0
+
+        def probe(rate: float, k: int, url: str = url) -> TierSummary:
+            reqs = fresh_requests(loop.workload, arrivals.slo_requests, loop.requests + loop.round_requests,
+                                  seed=loop.seed + 1000 + k, mean_output_tokens=loop.mean_output_tokens,
+                                  max_output_tokens=loop.max_output_tokens)
+            loop.round_requests.extend(reqs)
+            res, duration = asyncio.run(run_load(url, model, reqs, concurrency=len(reqs), rate=rate,
+                                                 seed=loop.seed + k, burstiness=arrivals.burstiness, **client))
+            return TierSummary.of(res, duration, slo=arrivals.slo, rate=rate)
+
+        out[label] = slo_sweep(probe, arrivals.slo, start_rate=start).to_json()
+        out[label]["burstiness"] = arrivals.burstiness
+        out[label]["requests_per_probe"] = arrivals.slo_requests
+    return out
 
 
 def _load_hf_warm(source: Any, dtype: str, seed: int) -> tuple[Any, Any]:
@@ -331,6 +380,13 @@ def format_table(report: dict[str, Any]) -> str:
                 lines.append(f"{'':<16}{name}: ceiling at these costs {m['request_speedup']:.2f}x "
                              f"(k={m['best_k']}), at acceptance 1 {f['request_speedup']:.2f}x (k={f['best_k']}); "
                              f"prefill is {cl['prefill_share']:.0%} of a request")
+    for label, sweep in (report.get("slo_sweep") or {}).items():
+        cap = sweep["capacity_rps"]
+        lines.append(f"{label}: capacity at {sweep['slo_text']}: "
+                     + (f"{cap:.3g} requests/s" if cap is not None else "no rate tried meets it")
+                     + (f"; {sweep['first_failing_rps']:.3g}/s fails" if sweep["first_failing_rps"] else "")
+                     + (f"; saturated at {', '.join(f'{r:.3g}' for r in sweep['saturated_rps'])}/s"
+                        if sweep["saturated_rps"] else ""))
     return "\n".join(lines)
 
 

@@ -36,6 +36,7 @@ class RequestResult:
     status: int | None = None  # the HTTP status of a refused request
     retry_after: str | None = None  # its Retry-After header
     retries: int = 0  # 429/503 answers waited out before this result
+    sent_at: float = 0.0  # seconds from the run's start to this request's send (saturation reads arrivals)
 
 
 @runtime_checkable

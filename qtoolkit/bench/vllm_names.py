@@ -2,7 +2,7 @@
 
 vLLM's result JSON (vllm/benchmarks/serve.py) holds `duration`, `completed`, `failed`, `total_input_tokens`,
 `total_output_tokens`, `request_throughput`, `output_throughput`, `total_token_throughput` and, for each of
-ttft / tpot / itl / e2el, `mean_*_ms`, `median_*_ms`, `std_*_ms` and `p99_*_ms`; per run also `num_prompts`,
+ttft / tpot / itl / e2el, `mean_*_ms`, `median_*_ms`, `std_*_ms` and `p99_*_ms` (and `p90_*_ms`, as `--metric-percentiles 90,99` adds); per run also `num_prompts`,
 `max_concurrency` and `request_rate` ("inf" when requests are sent at once). Definitions match vLLM's: TPOT is
 (latency - TTFT) / (output tokens - 1) per request over requests with more than one token, ITL is every gap
 between streamed chunks, E2EL the whole request; std is the population standard deviation (numpy's default).
@@ -16,7 +16,7 @@ import numpy as np
 
 from .types import RequestResult
 
-PERCENTILES = (99,)
+PERCENTILES = (90, 99)
 
 
 def _stats(name: str, seconds: list[float]) -> dict[str, float | None]:

@@ -129,11 +129,17 @@ def describe_workload(workload: str | Workload) -> Any:
     return as_workload(workload).describe()
 
 
-def arrival_offsets(n: int, rate: float | None, *, seed: int = 0) -> list[float]:
-    """Seconds after the start at which each request is sent: Poisson arrivals at `rate`/s, or all at once."""
+def arrival_offsets(n: int, rate: float | None, *, seed: int = 0, burstiness: float = 1.0) -> list[float]:
+    """Seconds after the start at which each request is sent: all at once without a rate, else gaps drawn from a
+    gamma distribution of mean 1/rate and shape `burstiness`, as `vllm bench serve --burstiness` draws them
+    (1: Poisson arrivals; below 1 burstier, above 1 more regular)."""
     if not rate:
         return [0.0] * n
     if rate < 0:
         raise DataError(f"--rate must be a positive number of requests per second, got {rate}")
-    gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, size=n)
+    if not burstiness > 0:
+        raise DataError(f"--burstiness must be a positive number (1: Poisson), got {burstiness}")
+    rng = np.random.default_rng(seed + 1)
+    gaps = (rng.exponential(1.0 / rate, size=n) if burstiness == 1.0
+            else rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n))
     return [float(t) for t in np.cumsum(gaps) - gaps[0]]  # the first request goes out at once

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import signal
+from typing import Any
 
 from ..endpoints.args import ROUTES, add_server_arguments, resolve_server
 from ..engine.config import EngineConfig, add_engine_args
@@ -26,6 +28,8 @@ examples:
   qtool bench serve --model out/int4 --speculative ngram --concurrency 1 --output spec.json
   qtool bench serve --base-url http://127.0.0.1:8000 --endpoint /v1/completions --model my-model \\
       --max-concurrency 1,8 --num-prompts 16 --request-rate 4 --output vllm-side.json   # vLLM's flag names
+  qtool bench serve --model out/int4 --concurrency 1 --slo ttft_ms=2000,tpot_ms=100 --output capacity.json
+  qtool bench serve --model out/int4 --concurrency 4 --request-rate 2 --burstiness 0.5 --output bursty.json
 """
 
 
@@ -62,6 +66,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the first system)")
     p.add_argument("--request-rate", "--rate", dest="rate", type=float, default=None,
                    help="Poisson arrival rate in requests/s (vLLM's --request-rate; default: all at once, inf)")
+    p.add_argument("--burstiness", default="1.0",
+                   help="with --request-rate: gamma arrivals of this shape (vLLM's --burstiness; 1 = Poisson, "
+                        "below 1 burstier)")
+    p.add_argument("--slo", "--goodput", dest="slo", default=None, metavar="ttft_ms=MS,tpot_ms=MS",
+                   help="latency objectives: each tier reports goodput (requests/s meeting every bound, as vLLM's "
+                        "--goodput), and each system gets an SLO sweep: the highest open-loop request rate whose "
+                        "p99 TTFT and p99 TPOT stay within the bounds (a rate the server cannot keep up with is "
+                        "reported as saturated)")
+    p.add_argument("--slo-requests", default="24", metavar="N", help="requests per probe of the SLO sweep")
+    p.add_argument("--slo-start-rate", default=None, metavar="R",
+                   help="the sweep's first rate, requests/s (default: the system's closed-loop requests/s at the "
+                        "first tier)")
     p.add_argument("--num-prompts", "--num-requests", dest="num_requests", type=int, default=None,
                    help="requests per tier (vLLM's --num-prompts; default: 2 x concurrency, between 4 and 64)")
     p.add_argument("--compare", choices=["hf"], default=None, help="hf: also run the workload through HF generate")
@@ -95,6 +111,34 @@ def _rounds(text: str) -> int:
     return value
 
 
+def _positive(flag: str, text: str | None, kind: type = float) -> Any:
+    """A positive finite number from a flag's text, else qtool's one-line error (exit 2) naming the flag."""
+    try:
+        value = kind(text)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not 0 < value < math.inf:
+        raise QToolError(f"{flag} {text!r} is not a positive {'integer' if kind is int else 'number'}: "
+                         f"pass e.g. {flag} {'24' if kind is int else '1.0'}")
+    return value
+
+
+def _arrivals(args: argparse.Namespace) -> Any:
+    """The arrival process and SLO, checked before any server starts (bad values: exit 2, no file)."""
+    from ..bench.serve import Arrivals
+    from ..bench.summary import SLO
+
+    burstiness = _positive("--burstiness", args.burstiness)
+    if burstiness != 1.0 and args.rate is None:
+        raise QToolError("--burstiness shapes open-loop arrivals: pass --request-rate R with it")
+    slo = None if args.slo is None else SLO.parse(args.slo)
+    start = None if args.slo_start_rate is None else _positive("--slo-start-rate", args.slo_start_rate)
+    probe = _positive("--slo-requests", args.slo_requests, int)
+    if probe < 6:  # saturation compares the first and last third of a probe's arrivals
+        raise QToolError(f"--slo-requests {probe} is too few to tell a queue building up: pass 6 or more")
+    return Arrivals(args.rate, burstiness, slo, probe, start)
+
+
 def _proposers(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip() and p.strip().lower() != "none"]
 
@@ -112,9 +156,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_requests is not None and args.num_requests <= 0:
         raise QToolError("--num-requests must be positive")
-    if args.rate is not None and args.rate <= 0:
-        raise QToolError("--rate must be a positive number of requests per second")
+    if args.rate is not None and not 0 < args.rate < math.inf:
+        raise QToolError(f"--request-rate {args.rate} is not a positive finite number of requests per second: "
+                         "pass e.g. 4, or leave it out to send every request at once")
     rounds = _rounds(args.rounds)
+    arrivals = _arrivals(args)
     engine = EngineConfig.from_args(args, batching="continuous", speculative=None)
     for proposer in args.speculative:  # fail before any server starts
         engine.replace(speculative=proposer)
@@ -129,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     lock = lock_output(args.output)  # two benches into one file would overwrite each other's tiers
     report = bench_serve(args.model, engine, endpoint=endpoint, concurrency=args.concurrency, batching=args.batching,
-                         speculative=args.speculative, workload=workload, rate=args.rate,
+                         speculative=args.speculative, workload=workload, arrivals=arrivals,
                          num_requests=args.num_requests, compare_hf=args.compare == "hf", seed=args.seed,
                          mean_output_tokens=args.mean_output_tokens, max_output_tokens=args.max_output_tokens,
                          api=api, ignore_eos=args.ignore_eos, api_key=args.api_key or Deployment("endpoint").api_key(),

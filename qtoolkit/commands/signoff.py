@@ -57,18 +57,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "API keys come from QTOOLKIT_CANDIDATE_API_KEY / QTOOLKIT_BASELINE_API_KEY or OPENAI_API_KEY")
     p.add_argument("--concurrency", type=_ints, default=[1, 8], help="bench tiers, e.g. 1,8,32")
     p.add_argument("--num-requests", type=int, help="requests per bench tier (default: two waves of the tier)")
-    p.add_argument("--speculative", default="ngram",
+    # none by default: each proposer adds three ablation systems, each served --rounds rounds at every tier
+    # (about twice the bench step), and the speed gates then compare both sides with speculation on
+    p.add_argument("--speculative", default="none",
                    help="proposer of the ablation's speculative-decoding layer (ngram, self-int4, draft:PATH, eagle3:DIR, ...; "
-                        "default ngram; none leaves the layer out)")
+                        "default none: the layer is left out; with one, the speed gates compare both sides with it)")
     p.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,fp8,int8}",
                    help="the candidate's KV cache in its eval and bench servers (default auto: the checkpoint's "
                         "kv_cache_scheme when its recipe has one, else the model's dtype); a quantized cache adds "
                         "the ablation's KV cache layer: unquantized vs quantized cache at a budget where it is the "
                         "limit")
-    p.add_argument("--rounds", type=int, default=5,
-                   help="rounds of the throughput gates' systems at the top tier, on fresh requests each; the gates "
-                        "judge the lower 95%% bound of the per-round speedups (default 5; with 1 there is no interval "
-                        "and the gates are INCONCLUSIVE)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds of every ablation system at every tier, on fresh requests each, interleaved; the "
+                        "speed gates judge the interval of the per-round ratios (default 3; with 1 there is no "
+                        "interval and the gates are INCONCLUSIVE; a deployment sign-off: 5 rounds at the top tier)")
+    p.add_argument("--max-rounds", type=int, default=None,
+                   help="while a speed gate is inconclusive, the candidate and baseline under the same serving "
+                        "configuration serve 2 more rounds per tier, up to this budget (default 9, or --rounds if larger; "
+                        "equal to --rounds: one look)")
     p.add_argument("--max-items", type=int, default=None,
                    help="while a quality gate is inconclusive, double the items per task up to this budget "
                         f"(default: {DEFAULT_MAX_ITEMS}, or --limit if larger; equal to --limit: one look)")
@@ -106,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = SignoffConfig(
             model=args.model, recipe=args.recipe, output=args.output, policy=args.policy, limit=args.limit,
             endpoint=endpoint, concurrency=args.concurrency, kv_cache_dtype=args.kv_cache_dtype,
-            num_requests=args.num_requests, rounds=args.rounds,
+            num_requests=args.num_requests, rounds=args.rounds or (5 if deployed else 3),
+            max_rounds=max(9, args.rounds or 3) if args.max_rounds is None else args.max_rounds,
             max_items=max(DEFAULT_MAX_ITEMS, args.limit) if args.max_items is None else args.max_items,
             allow_weak_sandbox=args.allow_weak_sandbox, rejudge=args.rejudge,
             speculative=None if deployed or args.speculative.lower() == "none" else args.speculative,

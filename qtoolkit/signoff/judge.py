@@ -1,7 +1,8 @@
 """The gates of one sign-off: every bound of the policy against the figure it names in the step outputs.
 
-Quality gates read typed task summaries (evals/summary.py); throughput gates the ablation's top concurrency
-tier; memory gates the quantize report's totals.
+Quality gates read typed task summaries (evals/summary.py); the speed gates bench.json's paired rounds at every
+tier (speed.py); the older throughput gates the ablation's top concurrency tier; memory gates the quantize
+report's totals.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ..evals.summary import RoundsRatio
 from ..quantize.report import QuantizeReport
 from . import gates as verdicts
 from .policy import METRICS, Policy, metric_figure, read_metric
+from .speed import judge_speed, speed_gate_name, speed_ratios
 
 
 @dataclass
@@ -76,7 +78,8 @@ def undecided_and_failed(policy: Policy, evals: EvalResults | None,
 
 
 def evaluate_gates(policy: Policy, evals: EvalResults | None, ablation: dict[str, Any] | None,
-                   quant: QuantizeReport | None) -> list[Gate]:
+                   quant: QuantizeReport | None, bench: dict[str, Any] | None = None) -> list[Gate]:
+    """Every gate of the policy; `bench` (bench.json) feeds the speed gates (qtoolkit/signoff/speed.py)."""
     gates: list[Gate] = []
     for task, bounds in policy.tasks.items():
         summary = None if evals is None else evals.summary(task)
@@ -115,6 +118,10 @@ def evaluate_gates(policy: Policy, evals: EvalResults | None, ablation: dict[str
         if lo is not None:
             j = verdicts.with_interval_method(j, rounds.ci.method, rounds.ci.coverage, rounds.ci.reliable, "rounds")
         gates.append(Gate.of("throughput", attr, j, point, judged))
+    if policy.throughput.min_decode_speedup is not None or policy.throughput.prefill_margin is not None:
+        for fig in speed_ratios(bench or {}, policy):
+            gates.append(Gate.of("throughput", speed_gate_name(fig), judge_speed(fig, policy), fig.ratio,
+                                 fig.ci[0] if fig.complete and fig.ci else None))
     t = quant.totals if quant else None
     for attr, figure in (("max_linear_ratio_vs_bf16", t.linear_ratio_vs_bf16 if t else None),
                          ("max_checkpoint_bytes", t.checkpoint_bytes if t else None)):

@@ -11,7 +11,7 @@ import importlib.resources
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -92,11 +92,17 @@ class Bound(BaseModel):
 
 class ThroughputGates(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    # full stack (candidate, continuous batching, speculation if enabled) / baseline static batching,
-    # output tok/s at the highest concurrency tier
-    min_speedup: float | None = Field(default=None, gt=0)
+    # the speed gates (qtoolkit/signoff/speed.py): candidate against baseline under the same serving
+    # configuration, at each tier in `tiers` (default: every tier the bench measures), lower bound over rounds
+    min_decode_speedup: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # TPOT baseline / candidate
+    prefill_margin: float | None = Field(default=None, ge=0, lt=1, allow_inf_nan=False)  # TTFT >= 1 - margin
+    tiers: list[Annotated[int, Field(gt=0)]] | None = Field(default=None, min_length=1)
+    # deprecated for local sign-offs (credits the batching layer to the recipe; judged at the top tier only):
+    # full stack (candidate, continuous batching, speculation if enabled) / baseline static batching, output tok/s;
+    # a deployment sign-off's candidate / baseline endpoint
+    min_speedup: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     # candidate / baseline, both with static batching: what quantization alone buys
-    min_quantization_speedup: float | None = Field(default=None, gt=0)
+    min_quantization_speedup: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class MemoryGates(BaseModel):

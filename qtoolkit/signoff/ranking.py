@@ -22,6 +22,7 @@ from .family import NAME as FAMILY_METHOD
 from .judge import Gate
 from .policy import Policy
 from .report import _cell, _fmt, _png, html_report
+from .speed import speed_limit
 from .steps import SignoffConfig
 
 RECOMMENDED = "RECOMMENDED"
@@ -54,7 +55,7 @@ def limit_fraction(g: Gate, policy: Policy) -> float | None:
     if g.judged is None:
         return None
     if g.task == "throughput":
-        limit = getattr(policy.throughput, g.metric, None)
+        limit = speed_limit(g.metric, policy) or getattr(policy.throughput, g.metric, None)
         return limit / g.judged if limit and g.judged > 0 else None
     if g.task == "memory":
         limit = getattr(policy.memory, g.metric, None)
@@ -130,6 +131,9 @@ def _speed(r: Row) -> str:
         return ""
     ci = r.throughput.get("ci")
     ci_text = f" [{_fmt(ci[0], 3)}, {_fmt(ci[1], 3)}]" if ci else ""
+    if r.throughput.get("what") == "decode":  # the speed gates' figure: per-stream decode, same serving config
+        return (f", decodes {_fmt(r.throughput.get('ratio'), 3)}x{ci_text} as fast per stream at "
+                f"c={r.throughput.get('concurrency')}")
     return f", full stack {_fmt(r.throughput.get('ratio'), 3)}x{ci_text} the baseline's throughput"
 
 
@@ -155,10 +159,11 @@ def pareto_plot(rows: list[Row]) -> str | None:
 
 def _markdown(data: dict[str, Any], rows: list[Row]) -> str:
     lines = [f"# Release sign-off over {len(rows)} candidates: {data['verdict']}", "", f"**{data['line']}**", "",
-             "| rank | candidate | verdict | at its family share | linear bytes vs bf16 | full stack vs baseline "
-             "(95% CI) | worst gate | its CI end / limit |", "|---|---|---|---|---|---|---|---|"]
+             "| rank | candidate | verdict | at its family share | linear bytes vs bf16 | speed vs baseline "
+             "(decode per stream, same serving config; else full stack) | worst gate | its CI end / limit |", "|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(ranked(rows), 1):
-        tp = _speed(r).removeprefix(", full stack ").removesuffix(" the baseline's throughput") or "-"
+        tp = (_speed(r).removeprefix(", full stack ").removesuffix(" the baseline's throughput")
+              .removeprefix(", decodes ") or "-")
         lines.append(f"| {i} | `{_cell(r.name)}` | {r.verdict} | {r.family_verdict} at {r.family_alpha:.2%} | "
                      f"{_fmt(r.linear_ratio, 3)} | {_cell(tp)} | {_cell(r.worst_gate or '-')} | "
                      f"{_fmt(r.worst_fraction, 3)} |")

@@ -29,6 +29,7 @@ from .judge import Gate
 from .policy import Policy
 from .report_deployment import deployment_lines
 from .sequential import design_of
+from .speed import SpeedRatio, speed_answer
 from .verdict import SignoffReport
 
 _STATUS = {True: "PASS", False: "FAIL"}
@@ -200,6 +201,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"# Release sign-off: {report['verdict']}", "",
              f"Model `{cfg['model']}` with recipe `{cfg['recipe']}` under policy `{report['policy']['name']}` "
              f"({report['created']}).", ""]
+    speed = (report.get("ablation") or {}).get("speed") or {}
+    lines += speed_answer([SpeedRatio.from_json(f) for f in speed.get("figures") or []], speed.get("pair"))
     if report["reasons"]:
         why = {"FAIL": "Why it fails", "INCONCLUSIVE": "Why it is inconclusive"}.get(report["verdict"], "Why")
         lines += [f"## {why}", ""] + [f"- {r}" for r in report["reasons"]] + [""]

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bench.ablation import BASE_SYSTEMS, ablation_table, bench_ablation
+from ..bench.ablation import BASE_SYSTEMS, SpeedLooks, ablation_table, bench_ablation
 from ..bench.kv_layer import UNQUANTIZED, bench_kv_layer, resolve_kv_dtype
 from ..diagnose.run import diagnose
 from ..draft.format import check_fits, read_head_config
@@ -38,6 +38,7 @@ from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
 from .sequential import describe, describe_design, draw_until_decisive
+from .speed import round_looks, speed_ratios, undecided
 from .steps import STEPS, SignoffConfig, StepRunner
 from .verdict import Evidence, decide
 
@@ -54,6 +55,8 @@ def _check(cfg: SignoffConfig) -> Policy:
         raise QToolError(f"--limit must be a positive number of items, got {cfg.limit}")
     if cfg.rounds <= 0:
         raise QToolError(f"--rounds must be a positive number of bench rounds, got {cfg.rounds}")
+    if cfg.max_rounds is not None and cfg.max_rounds < cfg.rounds:
+        raise QToolError(f"--max-rounds ({cfg.max_rounds}) must be at least --rounds ({cfg.rounds})")
     if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise QToolError(f"--kv-cache-dtype {cfg.kv_cache_dtype!r} is unknown: use one of {', '.join(KV_CACHE_DTYPES)}")
     if cfg.max_items is not None and cfg.max_items < cfg.limit:
@@ -199,19 +202,28 @@ class _Run:
         self.results["eval"] = self.runner.run("eval", inputs, out / "eval.json", do_eval)
 
     def bench_plan(self) -> tuple[dict[str, Any], EngineConfig, dict[str, Any]]:
-        """The bench step's reuse key, the servers' engine options and the ablation's arguments."""
+        """The bench step's reuse key, the servers' engine options and the ablation's arguments. With speed gates
+        in the policy every system serves --rounds rounds at every tier (each layer of the ablation gets an
+        interval per tier) and the speed gates' pair serves more, up to --max-rounds, while a gate is undecided."""
         cfg, policy, data = self.cfg, self.policy, self.data
         quantization_gate = policy.throughput.min_quantization_speedup is not None
-        repeat = ["baseline_static", "full_stack"] + (["candidate_static"] if quantization_gate else [])
+        speed = policy.throughput.min_decode_speedup is not None or policy.throughput.prefill_margin is not None
+        repeat = None if speed else \
+            ("baseline_static", "full_stack") + (("candidate_static",) if quantization_gate else ())
         engine = EngineConfig(speculative=cfg.speculative, kv_cache_dtype=self.kv)
+        looks = round_looks(cfg.rounds, cfg.max_rounds)
         kwargs = {"concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
                   "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed, "rounds": cfg.rounds,
-                  "repeat": tuple(repeat), "workload": custom_signoff.bench_workload(cfg.data, self.out / "eval.json")}
+                  "repeat": repeat, "workload": custom_signoff.bench_workload(cfg.data, self.out / "eval.json"),
+                  "speed": SpeedLooks(looks, lambda bench: not undecided(bench, policy)) if speed else None}
         inputs = {"candidate": self.cand_key, "baseline": self.source.sha256, "systems": [s.label for s in BASE_SYSTEMS],
                   "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
                   "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed, "speculative": cfg.speculative,
                   "rounds": cfg.rounds, "quantization_gate": quantization_gate, **({"data": data} if data else {}),
                   **({"kv_cache_dtype": self.kv} if self.kv != UNQUANTIZED else {})}
+        if speed:  # how many rounds get measured depends on the speed bounds
+            inputs |= {"speed_looks": list(looks), "speed_bounds": policy.throughput.model_dump(
+                include={"min_decode_speedup", "prefill_margin", "tiers"})}
         return inputs, engine, kwargs
 
     def bench_done(self) -> bool:
@@ -292,7 +304,10 @@ def _decide(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: d
         evals = EvalResults.load(out / "eval.json")
     bench = _load(out / "bench.json") if steps["bench"].get("status") == "ok" else None
     ablation = ablation_table(bench) if bench else None
-    gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, ablation, quant)
+    if ablation is not None and bench is not None and bench.get("speed_rounds"):  # the report's first lines
+        ablation["speed"] = {"pair": bench["speed_rounds"]["pair"],
+                             "figures": [f.to_json() for f in speed_ratios(bench, policy)]}
+    gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, ablation, quant, bench)
     kv = _load(out / "bench_kv.json") if bench else None
     evidence = Evidence(steps, gates, evals, sequential or _load(out / "sequential.json"), quant, ablation,
                         _load(out / "diagnose.json") if steps["diagnose"].get("status") == "ok" else None,

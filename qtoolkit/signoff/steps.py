@@ -36,7 +36,8 @@ class SignoffConfig:
     kv_cache_dtype: str = "auto"
     diagnose_batches: tuple[int, ...] = (1, 8)
     seed: int = 0
-    rounds: int = 5  # of the throughput gates' systems at the top tier: the gates judge their spread
+    rounds: int = 3  # of every ablation system at every tier (speed gates: the first look); the gates judge the spread
+    max_rounds: int | None = 9  # the speed gates' budget: their pair serves more rounds while a gate is undecided
     max_items: int | None = None  # budget of items per task when a quality gate is inconclusive (qtoolkit/signoff/sequential.py)
     allow_weak_sandbox: bool = False  # run model-written code even where bubblewrap cannot
     rejudge: bool = False  # decide again from the step outputs in `output`, running nothing

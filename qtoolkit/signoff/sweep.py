@@ -110,10 +110,15 @@ def row_of(c: Candidate, policy: Policy) -> Row:
     quant = report.get("quantize") or {}
     tiers = (report.get("ablation") or {}).get("tiers") or []
     rounds = RoundsRatio.from_json(tiers[-1].get("total_speedup_rounds")) if tiers else None
+    speed = ((report.get("ablation") or {}).get("speed") or {}).get("figures") or []
+    decode = [f for f in speed if f["kind"] == "decode" and f.get("ratio") is not None]
     fam = c.family
     return Row(c.name, report.get("verdict", verdicts.ERROR), fam.verdict if fam else verdicts.ERROR,
                fam.alpha if fam else 0.0, (quant.get("totals") or {}).get("linear_ratio_vs_bf16"),
-               {"ratio": rounds.ratio, "ci": rounds.ci.bounds} if rounds else None, name, frac, qfrac,
+               # what a deployment buys: the top tier's decode speedup (TPOT) when the policy gates speed
+               {"ratio": decode[-1]["ratio"], "ci": decode[-1]["ci"], "what": "decode",
+                "concurrency": decode[-1]["concurrency"]} if decode
+               else {"ratio": rounds.ratio, "ci": rounds.ci.bounds} if rounds else None, name, frac, qfrac,
                list(report.get("reasons") or []), c.error, str(c.folder), fam.to_json() if fam else None)
 
 
@@ -251,7 +256,8 @@ def _rejudge(c: Candidate, policy: Policy) -> Rejudge:
         bench = _load(c.folder / "bench.json")
         ablation = ablation_table(bench) if bench else None  # its rounds' intervals at the context's level
         assert c.run is not None
-        return evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals, ablation, c.run.quant)
+        return evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals, ablation, c.run.quant,
+                              bench)
     return run
 
 

@@ -1,0 +1,186 @@
+"""One tier's figures as a type: TTFT, TPOT, ITL and E2EL distributions (mean, p50, p90, p99, measured from the
+stream as a user sees it), throughput, goodput under an SLO and whether the server kept up with the offered load.
+
+Definitions are vLLM's (`vllm bench serve`): TPOT is (latency - TTFT) / (output tokens - 1) per request with more
+than one token, ITL every gap between streamed chunks, E2EL the whole request; goodput the completed requests per
+second that meet every SLO (`--goodput ttft:MS tpot:MS`, vllm/benchmarks/serve.py). Saturation is qtoolkit's: an
+open-loop run whose completions come out slower than the requests arrive, or whose waits grow over the run, is
+past what the server carries (GuideLLM calls it over-saturation), and its latencies measure the queue's length,
+not the server: a sweep reports such a rate as saturated instead of averaging it in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import QToolError
+from .types import RequestResult
+
+# an open-loop run is saturated when completions leave at under this share of the offered rate ...
+MIN_ACHIEVED_SHARE = 0.85
+# ... or when the median TTFT of the last third of arrivals is this many times the first third's (and 50 ms more)
+MAX_TTFT_GROWTH = 2.0
+MIN_TTFT_GROWTH_S = 0.05
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Mean and percentiles of one latency over a tier's requests, seconds; all None when nothing was measured."""
+
+    mean: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+
+    @classmethod
+    def of(cls, values: list[float]) -> Distribution:
+        if not values:
+            return cls()
+        a = np.asarray(values, dtype=float)
+        p50, p90, p99 = (float(x) for x in np.percentile(a, [50, 90, 99]))
+        return cls(float(a.mean()), p50, p90, p99)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any] | None) -> Distribution:
+        d = d or {}
+        return cls(d.get("mean"), d.get("p50"), d.get("p90"), d.get("p99"))
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency objectives, milliseconds (vLLM's --goodput units); None: not bounded."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> SLO:
+        """`ttft_ms=2000,tpot_ms=50` (also vLLM's `ttft:2000 tpot:50`); a bad value is one QToolError line."""
+        fields = {"ttft_ms": None, "tpot_ms": None, "e2el_ms": None}
+        parts = [p for p in text.replace(" ", ",").split(",") if p.strip()]
+        for part in parts:
+            key, sep, value = part.replace(":", "=").partition("=")
+            key = key.strip().lower()
+            key = key if key.endswith("_ms") else f"{key}_ms"
+            try:
+                number = float(value) if sep else float("nan")
+            except ValueError:
+                number = float("nan")
+            if key not in fields or not np.isfinite(number) or number <= 0:
+                raise QToolError(f"--slo {text!r}: {part!r} is not NAME=MILLISECONDS with NAME one of ttft_ms, "
+                                 "tpot_ms, e2el_ms and a positive number: pass e.g. --slo ttft_ms=2000,tpot_ms=50")
+            fields[key] = number
+        if not parts:
+            raise QToolError("--slo is empty: pass e.g. --slo ttft_ms=2000,tpot_ms=50")
+        return cls(**fields)
+
+    def describe(self) -> str:
+        names = {"ttft_ms": "p99 TTFT", "tpot_ms": "p99 TPOT", "e2el_ms": "p99 E2EL"}
+        return ", ".join(f"{names[k]} <= {v:g} ms" for k, v in asdict(self).items() if v is not None)
+
+    def request_meets(self, r: RequestResult) -> bool:
+        """vLLM's goodput: a completed request is good when each of its own latencies meets its bound."""
+        if not r.ok or r.ttft is None:
+            return False
+        tpot = (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+        checks = ((self.ttft_ms, r.ttft), (self.tpot_ms, tpot), (self.e2el_ms, r.latency))
+        return all(bound is None or 1000 * value <= bound for bound, value in checks)
+
+    def tier_meets(self, s: TierSummary) -> bool:
+        """The sweep's criterion: p99 of every bounded latency within its bound (None fails: nothing measured)."""
+        checks = ((self.ttft_ms, s.ttft.p99), (self.tpot_ms, s.tpot.p99), (self.e2el_ms, s.e2el.p99))
+        return all(bound is None or (value is not None and 1000 * value <= bound) for bound, value in checks)
+
+
+@dataclass(frozen=True)
+class Saturation:
+    """Whether an open-loop run kept up: completions per second against the offered rate, and TTFT growth."""
+
+    offered_rate: float
+    achieved_rate: float | None
+    ttft_growth: float | None  # median TTFT of the last third of arrivals / the first third's
+    saturated: bool
+
+    @classmethod
+    def of(cls, results: list[RequestResult], rate: float) -> Saturation:
+        """Completions must leave at the rate requests arrive (spans between the first and last of each), and
+        the waits of late arrivals must not grow: a queue that builds over the run is a server past capacity."""
+        ok = sorted((r for r in results if r.ok), key=lambda r: r.sent_at)
+        if len(ok) < 3:
+            return cls(rate, None, None, len(ok) < len(results))
+        sent = [r.sent_at for r in sorted(results, key=lambda r: r.sent_at)]
+        offered = (len(sent) - 1) / (sent[-1] - sent[0]) if sent[-1] > sent[0] else rate
+        done = sorted(r.sent_at + r.latency for r in ok)
+        achieved = (len(done) - 1) / (done[-1] - done[0]) if done[-1] > done[0] else None
+        third = max(1, len(ok) // 3)
+        first = float(np.median([r.ttft for r in ok[:third]]))
+        last = float(np.median([r.ttft for r in ok[-third:]]))
+        growth = last / first if first > 0 else None
+        grew = growth is not None and growth > MAX_TTFT_GROWTH and last - first > MIN_TTFT_GROWTH_S
+        slow = achieved is not None and achieved < MIN_ACHIEVED_SHARE * offered
+        return cls(offered, achieved, growth, grew or slow or len(ok) < len(results))
+
+
+@dataclass(frozen=True)
+class TierSummary:
+    """One system at one tier: counts, throughput, latency distributions (seconds), goodput when an SLO is
+    given, saturation when arrivals were open-loop."""
+
+    num_requests: int
+    completed: int
+    failed: int
+    duration_s: float
+    prompt_tokens: int
+    output_tokens: int
+    output_tok_per_s: float
+    requests_per_s: float
+    ttft: Distribution
+    tpot: Distribution
+    itl: Distribution
+    e2el: Distribution
+    errors: list[str]
+    goodput: float | None = None  # requests/s meeting every SLO (vLLM's request_goodput)
+    saturation: Saturation | None = None
+
+    @classmethod
+    def of(cls, results: list[RequestResult], duration: float, *, slo: SLO | None = None,
+           rate: float | None = None) -> TierSummary:
+        ok = [r for r in results if r.ok]
+        out = sum(r.output_tokens for r in ok)
+        tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok
+                if r.ttft is not None and r.output_tokens > 1]
+        per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
+        return cls(len(results), len(ok), len(results) - len(ok), duration, sum(r.prompt_tokens for r in ok), out,
+                   per_s(out), per_s(len(ok)), Distribution.of([r.ttft for r in ok if r.ttft is not None]),
+                   Distribution.of(tpot), Distribution.of([x for r in ok for x in r.itl]),
+                   Distribution.of([r.latency for r in ok]), sorted({r.error for r in results if r.error})[:5],
+                   None if slo is None else per_s(sum(slo.request_meets(r) for r in ok)),
+                   None if not rate else Saturation.of(results, rate))
+
+    def to_json(self) -> dict[str, Any]:
+        """qtoolkit's keys (seconds; ttft_s / tpot_s / itl_s / latency_s with mean, p50, p90, p99)."""
+        out: dict[str, Any] = {
+            "num_requests": self.num_requests, "completed": self.completed, "failed": self.failed,
+            "duration_s": self.duration_s, "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+            "output_tok_per_s": self.output_tok_per_s, "requests_per_s": self.requests_per_s,
+            "ttft_s": asdict(self.ttft), "tpot_s": asdict(self.tpot), "itl_s": asdict(self.itl),
+            "latency_s": asdict(self.e2el), "errors": list(self.errors)}
+        if self.goodput is not None:
+            out["request_goodput"] = self.goodput
+        if self.saturation is not None:
+            out["saturation"] = asdict(self.saturation)
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TierSummary:
+        sat = d.get("saturation")
+        return cls(int(d["num_requests"]), int(d["completed"]), int(d["failed"]), float(d["duration_s"]),
+                   int(d.get("prompt_tokens", 0)), int(d.get("output_tokens", 0)), float(d["output_tok_per_s"]),
+                   float(d["requests_per_s"]), Distribution.from_json(d.get("ttft_s")),
+                   Distribution.from_json(d.get("tpot_s")), Distribution.from_json(d.get("itl_s")),
+                   Distribution.from_json(d.get("latency_s")), list(d.get("errors") or []), d.get("request_goodput"),
+                   None if sat is None else Saturation(**sat))

@@ -1,0 +1,200 @@
+"""The speed gates: the candidate deployment against the baseline deployment under the same serving configuration
+(continuous batching, speculation when the run has a proposer, the same KV budget), at every tier the policy names.
+
+- decode: TPOT ratio baseline / candidate (per round: each side's median TPOT over the round's requests), its
+  lower bound at least `throughput.min_decode_speedup`;
+- prefill: TTFT ratio baseline / candidate (per round: medians), non-inferiority: its lower bound at least
+  1 - `throughput.prefill_margin`.
+
+Only the recipe differs between the two systems, so a gain of the batching or speculation layer is never credited
+to the recipe (the ablation shows those layers, each with its interval, as the explanation).
+
+Rounds: both systems serve each round's fresh requests back to back (interleaved), so a round's ratio carries
+that round's drift on both sides; the interval is Student's t on the log ratios over rounds. While a gate is
+undecided more rounds are measured, up to a budget (`qtool signoff --max-rounds`), looks at the round counts
+`round_looks` plans. The error is spent over the looks as the quality gates spend it (error_spending: Lan-DeMets
+Pocock-type), with the whole 5% (1 - the context's confidence level: a sweep's family-wise share) rather than the
+quality gates' 3%: the t-interval on log-normal round ratios holds its level (the quality gates spend less
+because KLD intervals undercover), and qtoolkit/signoff/speed_simulation.py measures the false PASS rate with the
+truth exactly on the bound (measurements/2026-12-04/issue40/speed-gate-false-pass.json).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..bench.loop import TierRecord
+from ..evals.stats.paired import current_confidence, ratio_over_rounds
+from . import gates as verdicts
+from .error_spending import Design, plan
+from .policy import Policy
+
+DECODE, PREFILL = "decode", "prefill"
+# (figure, the gate's metric name) per kind: what a round's ratio is made of
+KINDS = {DECODE: ("rounds_tpot", "decode_tpot_ratio"), PREFILL: ("rounds_ttft", "prefill_ttft_ratio")}
+LOOK_STEP = 2  # rounds added per further look
+
+
+def round_looks(first: int, max_rounds: int | None) -> tuple[int, ...]:
+    """Round counts of successive looks: first, first + 2, ... up to max_rounds (at least first)."""
+    looks = [first]
+    while max_rounds is not None and looks[-1] < max_rounds:
+        looks.append(min(looks[-1] + LOOK_STEP, max_rounds))
+    return tuple(looks)
+
+
+def speed_design(looks: tuple[int, ...] | list[int], alpha: float | None = None) -> Design:
+    """The error-spending design over the looks, spending `alpha` (default: 1 - the context's level, 5% outside
+    a sweep's family-wise judgement); one look: a plain (1 - alpha) interval."""
+    alpha = 1 - current_confidence() if alpha is None else alpha
+    return plan(tuple(looks), alpha)
+
+
+@dataclass(frozen=True)
+class SpeedRatio:
+    """One speed figure at one tier: the geometric mean of the per-round ratios (baseline / candidate), its
+    interval at `level` over `rounds` rounds, and the interval's method and simulated coverage."""
+
+    kind: str
+    concurrency: int
+    ratio: float | None
+    ci: tuple[float, float] | None
+    rounds: int
+    level: float
+    method: str | None = None
+    coverage: float | None = None
+    reliable: bool | None = None
+    per_round: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, kind: str, tier: TierRecord, pair: tuple[str, str], level: float) -> SpeedRatio:
+        """baseline / candidate of the pair's per-round medians; no figure when a round lacks one."""
+        figures = getattr(tier, KINDS[kind][0]) or {}
+        base, cand = figures.get(pair[0]) or [], figures.get(pair[1]) or []
+        n = min(len(base), len(cand))
+        values = list(zip(base[:n], cand[:n], strict=True))
+        if n == 0 or any(b is None or c is None or not b > 0 or not c > 0 or not math.isfinite(b + c)
+                         for b, c in values):
+            return cls(kind, tier.concurrency, None, None, n, level)
+        r = ratio_over_rounds([b for b, _ in values], [c for _, c in values], confidence=level)
+        ci = r.get("ci95")
+        return cls(kind, tier.concurrency, r["ratio"], None if ci is None else (ci[0], ci[1]), n, level,
+                   r.get("ci_method"), r.get("ci_coverage"), r.get("ci_reliable"), tuple(r["per_round"]))
+
+    @property
+    def complete(self) -> bool:
+        """Both interval ends are finite numbers: only then can the gate pass."""
+        return self.ci is not None and all(x is not None and math.isfinite(x) for x in self.ci)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "concurrency": self.concurrency, "ratio": self.ratio,
+                "ci": None if self.ci is None else list(self.ci), "level": self.level, "rounds": self.rounds,
+                "ci_method": self.method, "ci_coverage": self.coverage, "ci_reliable": self.reliable,
+                "per_round": list(self.per_round)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SpeedRatio:
+        ci = d.get("ci")
+        return cls(d["kind"], int(d["concurrency"]), d.get("ratio"), None if ci is None else (ci[0], ci[1]),
+                   int(d["rounds"]), float(d["level"]), d.get("ci_method"), d.get("ci_coverage"),
+                   d.get("ci_reliable"), tuple(d.get("per_round") or ()))
+
+
+def bench_level(bench: dict[str, Any], alpha: float | None = None) -> tuple[float, int]:
+    """(the level the speed gates judge at, rounds measured) from bench.json's speed_rounds: the level of the
+    look the rounds stopped at; a bench without further looks: its own rounds at 1 - alpha."""
+    looks = bench.get("speed_rounds") or {}
+    planned = tuple(looks.get("looks") or ())
+    rounds = int(looks.get("rounds") or (bench.get("config") or {}).get("rounds") or 1)
+    design = speed_design(planned if planned else (rounds,), alpha)
+    return design.level_at(rounds), rounds
+
+
+def speed_ratios(bench: dict[str, Any], policy: Policy, alpha: float | None = None) -> list[SpeedRatio]:
+    """Every speed figure the policy gates, at every tier it names (every bench tier when it names none)."""
+    level, _ = bench_level(bench, alpha)
+    pair = tuple((bench.get("speed_rounds") or {}).get("pair") or ())
+    tiers = {t.concurrency: t for t in (TierRecord.from_json(x) for x in bench.get("tiers") or [])}
+    # no bench (its step failed or was skipped): one gate per kind without a tier, never a silent absence
+    wanted = policy.throughput.tiers or sorted(tiers) or [0]
+    kinds = [k for k, attr in ((DECODE, "min_decode_speedup"), (PREFILL, "prefill_margin"))
+             if getattr(policy.throughput, attr) is not None]
+    out = []
+    for c in wanted:
+        for kind in kinds:
+            tier = tiers.get(c)
+            out.append(SpeedRatio(kind, c, None, None, 0, level) if tier is None or len(pair) != 2
+                       else SpeedRatio.of(kind, tier, (pair[0], pair[1]), level))
+    return out
+
+
+def judge_speed(fig: SpeedRatio, policy: Policy) -> verdicts.Judgement:
+    """PASS when the lower end is within the bound, FAIL when the upper end is below it, else INCONCLUSIVE;
+    a missing or non-finite end never passes. The detail names the level actually used."""
+    t = policy.throughput
+    minimum = t.min_decode_speedup if fig.kind == DECODE else 1 - (t.prefill_margin or 0.0)
+    assert minimum is not None
+    where = f" at concurrency {fig.concurrency}" if fig.concurrency else ""
+    if fig.ratio is None:
+        return verdicts.Judgement(verdicts.NO_EVIDENCE, f"not measured{where}: the bench has no paired rounds of "
+                                  "this tier (add the tier to --concurrency, and --rounds 3 or more)")
+    if not fig.complete:
+        return verdicts.Judgement(verdicts.INCONCLUSIVE, f"{fig.ratio:.3g}{where} from {fig.rounds} round(s), no "
+                                  f"finite interval to judge against min {minimum:g}: pass --rounds 3 or more")
+    lo, hi = fig.ci  # type: ignore[misc]
+    j = verdicts.judge_interval(fig.ratio, lo, hi, max_=None, min_=minimum, n_text=f", {fig.rounds} rounds")
+    j.detail += f"{where} (the {fig.level:.2%} interval over {fig.rounds} paired rounds, point {fig.ratio:.3g}x)"
+    return verdicts.with_interval_method(j, fig.method, fig.coverage, fig.reliable, "rounds")
+
+
+def undecided(bench: dict[str, Any], policy: Policy) -> bool:
+    """Whether another look could change a speed gate: some gate INCONCLUSIVE and none FAILed."""
+    js = [judge_speed(f, policy).verdict for f in speed_ratios(bench, policy)]
+    return verdicts.FAIL not in js and any(v == verdicts.INCONCLUSIVE for v in js)
+
+
+def speed_limit(metric: str, policy: Policy) -> float | None:
+    """The bound a speed gate's lower end is held to, from its metric name (decode_tpot_ratio@c8); None for
+    another metric."""
+    kind = next((k for k, (_, name) in KINDS.items() if metric.split("@")[0] == name), None)
+    t = policy.throughput
+    if kind == DECODE:
+        return t.min_decode_speedup
+    if kind == PREFILL and t.prefill_margin is not None:
+        return 1 - t.prefill_margin
+    return None
+
+
+def speed_gate_name(fig: SpeedRatio) -> str:
+    """The gate's metric: decode_tpot_ratio@c8; without a bench tier (concurrency 0) the kind alone."""
+    return KINDS[fig.kind][1] + (f"@c{fig.concurrency}" if fig.concurrency else "")
+
+
+def speed_answer(figs: list[SpeedRatio], pair: list[str] | None) -> list[str]:
+    """The report's first lines: the speed answers in the user's units, each with its interval and level."""
+    if not figs:
+        return []
+
+    def one(f: SpeedRatio) -> str:
+        if f.ratio is None:
+            return f"not measured at c={f.concurrency}"
+        ci = f" [{f.ci[0]:.2f}, {f.ci[1]:.2f}]" if f.complete and f.ci else " (no interval)"
+        return f"{f.ratio:.2f}x at c={f.concurrency}{ci}"
+
+    levels = sorted({f"{f.level:.2%}" for f in figs if f.ratio is not None})
+    rounds = sorted({f.rounds for f in figs if f.ratio is not None})
+    parts = []
+    for kind, what in ((DECODE, "Decode (TPOT, baseline / candidate; > 1 = each stream faster)"),
+                       (PREFILL, "First token (TTFT, baseline / candidate; > 1 = sooner)")):
+        these = [f for f in figs if f.kind == kind]
+        if these:
+            parts.append(f"- {what}: " + "; ".join(one(f) for f in these))
+    served = f"`{pair[1]}` against `{pair[0]}`" if pair else "candidate against baseline"
+    return ["## Speed, as a deployment sees it", "",
+            f"{served}: the same serving configuration, only the recipe differs. Intervals at "
+            f"{', '.join(levels) or '-'} over {', '.join(map(str, rounds)) or '-'} paired rounds "
+            "(the level of the look the rounds stopped at).", "", *parts,
+            "- Capacity at an SLO: not gated by this policy (`qtool bench serve --slo ttft_ms=...,tpot_ms=...` "
+            "measures it per server).", ""]
