@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         with vllm_server(env, a.model, dtype=a.dtype, port=a.port, served_model_name=a.served_model_name,
                          kv_cache_gib=a.kv_cache_gib, omp_threads_bind=a.omp_threads_bind) as server:
             print(f"serving {server.model_id} at {server.url} (pid {server.pid}, log {server.log}); Ctrl-C stops")
+            # SIGTERM ends the wait as Ctrl-C does, so the server's process group is stopped on the way out
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
             with contextlib.suppress(KeyboardInterrupt):
                 signal.pause()
         return 0
