@@ -108,3 +108,25 @@ def test_noise_below_the_tolerance_keeps_the_recorded_identity(tmp_path):
     retexted = EndpointIdentity("http://h:1", "other", fp(list(moved.fingerprint.logprobs), " blue"))
     assert "greedy answer to the probe changed from ' red' to ' blue'" in settle(tmp_path, "baseline", retexted)[1]
     assert EndpointIdentity.from_json(json.loads((tmp_path / "endpoints.json").read_text())["baseline"]) == retexted
+
+
+def test_cached_completions_are_keyed_by_what_the_endpoint_serves(tmp_path):
+    """A sweep's baseline completions (evals/backends/cached.py) are keyed by the baseline's identity: a redeploy
+    behind the same URL misses the cache instead of answering with the old model's completions."""
+    from qtoolkit.evals.backends.base import GeneratedText, GenParams
+    from qtoolkit.evals.backends.cached import CachedGenerations
+    from qtoolkit.evals.runner import model_identity
+
+    class Inner:
+        name, tokenizer, full_distributions, calls = "openai", None, False, 0
+
+        def generate(self, prompts, params):
+            Inner.calls += len(prompts)
+            return [GeneratedText(f"answer {Inner.calls}", [1], "stop") for _ in prompts]
+
+    params, path = GenParams(8, 0.0, [], 0), tmp_path / "generations.jsonl"
+    before = model_identity("default", "http://h:8001", "engine", served="key-of-first-deployment")
+    after = model_identity("default", "http://h:8001", "engine", served="key-of-second-deployment")
+    first = CachedGenerations(Inner(), path, before).generate(["p"], params)
+    assert CachedGenerations(Inner(), path, before).generate(["p"], params) == first and Inner.calls == 1
+    assert CachedGenerations(Inner(), path, after).generate(["p"], params) != first and Inner.calls == 2
