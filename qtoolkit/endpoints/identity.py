@@ -84,7 +84,8 @@ def fingerprint(dep: Deployment, model_id: str) -> Fingerprint:
     """Ask the endpoint the probe: echo + logprobs where it gives them, else greedy text alone."""
     assert dep.url is not None
     body = {"model": model_id, "prompt": PROBE_PROMPT, "max_tokens": PROBE_TOKENS, "temperature": 0.0}
-    with httpx.Client(headers=dep.headers(), timeout=min(dep.timeout_s, 120.0)) as client:
+    # the endpoint's own timeout: the probe may be a cold server's first generation (kernels built on first use)
+    with httpx.Client(headers=dep.headers(), timeout=dep.timeout_s) as client:
         def ask(extra: dict[str, Any]) -> httpx.Response:
             return request(client, "POST", f"{dep.url}/v1/completions", json={**body, **extra}, retries=dep.retries,
                            what=f"the {dep.role} endpoint", fix=f"start the server or fix --{dep.role}-endpoint",
