@@ -18,13 +18,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+from transformers import AutoTokenizer
 
 from ..errors import QToolError
 from ..io import write_json
 from ..model.sources import resolve_model
 from ..provenance import provenance
 from ..quantize.recipe import list_recipes
-from .vllm_env import VLLMEnv, VLLMError, ensure_env, vllm_server
+from .vllm_env import VLLMEnv, VLLMError, ensure_env, refusal, vllm_server
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Photosynthesis is the process by which",
            "Once upon a time, in a small village,", "The three laws of motion are", "import numpy as np\n",
@@ -55,17 +56,16 @@ class CompatRow:
     engine_dtype: str | None = None
 
 
-def _ours(folder: Path, dtype: str) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompt ids and greedy outputs of qtoolkit's engine (as `qtool generate` runs it) on the checkpoint."""
+def _ours(folder: Path, dtype: str, ids: list[list[int]]) -> list[list[int]]:
+    """Greedy outputs of qtoolkit's engine (as `qtool generate` runs it) on the checkpoint, in vLLM's dtype."""
     from qtoolkit.engine import Engine, EngineConfig, SamplingParams  # start-up time: torch loads here
 
     engine = Engine(str(folder), EngineConfig(dtype=dtype))
-    ids = [engine.tokenizer(p, add_special_tokens=False).input_ids for p in PROMPTS]
     out = [o.token_ids for o in engine.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
                                                   use_tqdm=False)]
     del engine
     gc.collect()
-    return ids, out
+    return out
 
 
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> Agreement:
@@ -92,14 +92,19 @@ def _complete(url: str, name: str, prompt: list[int]) -> list[int]:
 
 def measure(env: VLLMEnv, name: str, folder: Path, log_dir: Path) -> CompatRow:
     row = CompatRow(name, served=False)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     for dtype in DTYPES:
         start = time.monotonic()
         try:
             with vllm_server(env, folder, dtype=dtype, served_model_name=name, startup_timeout_s=900,
                              log_dir=log_dir, extra_args=EAGER) as server:
                 row.start_s = round(time.monotonic() - start, 1)
-                ids, ours = _ours(folder, "float32" if dtype == "float32" else "bfloat16")
-                theirs = [_complete(server.url, name, p) for p in ids]
+                ids = [tokenizer(p, add_special_tokens=False).input_ids for p in PROMPTS]
+                try:  # vLLM first: a refusal skips our engine
+                    theirs = [_complete(server.url, name, p) for p in ids]
+                except _Refused as e:  # its HTTP answer only says "see the stack trace": quote the log's reason
+                    raise _Refused(f"{e}; its log: {refusal(server.log)}") from None
+            ours = _ours(folder, dtype, ids)
         except VLLMError as e:
             row.tried[dtype] = str(e).split(": its log is")[0]
             continue
@@ -107,7 +112,7 @@ def measure(env: VLLMEnv, name: str, folder: Path, log_dir: Path) -> CompatRow:
             row.tried[dtype] = f"loaded, but a completion failed: {e}"
             continue
         row.served, row.dtype, row.tried[dtype] = True, dtype, "served"
-        row.agreement, row.engine_dtype = agreement(ours, theirs), "float32" if dtype == "float32" else "bfloat16"
+        row.agreement, row.engine_dtype = agreement(ours, theirs), dtype
         break
     return row
 

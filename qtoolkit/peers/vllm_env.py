@@ -187,11 +187,25 @@ def _group_alive(proc: subprocess.Popen) -> bool:
     return True
 
 
+_PREFIX = re.compile(r"^\(\w+ pid=\d+\) \w+ [\d-]+ [\d:]+ \[[^\]]+\] ?")
+_GENERIC = ("root cause", "stack trace")  # the wrappers vLLM's processes add around the reason
+
+
 def refusal(log: Path) -> str:
-    """vLLM's own reason from its log: the last `SomeError: message` line, else the last line."""
-    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    errors = [ln for ln in lines if re.search(r"\b\w*(Error|Exception): ", ln)]
-    return (errors or lines or ["no output"])[-1][-400:]
+    """vLLM's own reason from its log: the first specific `SomeError: message` line with the indented lines that
+    continue it (the per-kernel reasons of a WNA16 refusal), else the last error line, else the last line."""
+    lines = [ln.rstrip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    bare = [_PREFIX.sub("", ln) for ln in lines]
+    errors = [i for i, ln in enumerate(bare) if re.match(r"\w*(Error|Exception): ", ln)]
+    specific = [i for i in errors if not any(g in bare[i] for g in _GENERIC)]
+    if not specific:
+        return ((errors and bare[errors[-1]]) or (bare or ["no output"])[-1])[-400:]
+    first, parts = specific[0], [bare[specific[0]].strip()]
+    for raw in bare[first + 1:first + 6]:  # continuations are indented; a traceback that follows is not the reason
+        if not raw.startswith(" ") or raw.strip().startswith(("File ", "Traceback")):
+            break
+        parts.append(raw.strip())
+    return " ".join(parts)[:800]
 
 
 def _wait_ready(proc: subprocess.Popen, server: VLLMServer, timeout_s: float) -> None:
