@@ -87,7 +87,7 @@ def test_a_redeploy_at_the_same_url_is_measured_again(checkpoints, tmp_path, cap
     assert third[1]["deployments"]["candidate"]["changed"].startswith("its log-probs on the probe moved")
     assert third[1]["deployments"]["candidate"]["identity"] != first[1]["deployments"]["candidate"]["identity"]
     assert third[1]["deployments"]["baseline"]["identity"] == first[1]["deployments"]["baseline"]["identity"]
-    nll = [next(g["point"] for g in r["gates"] if g["name"] == "summarization.nll_delta") for r in (first, third)]
+    nll = [next(g["point"] for g in r["gates"] if g["name"] == "summarization.nll_delta") for _, r in (first, third)]
     assert nll[0] == 0.0 and nll[1] != 0.0  # measured on the second checkpoint, not read back from the first
 
 
