@@ -46,14 +46,18 @@ class EvalConfig:
     # a JSONL file of the baseline's completions (evals/backends/cached.py): a multi-recipe sign-off generates
     # them once for all its candidates
     baseline_generations: str | None = None
+    # each endpoint's identity key (qtoolkit/endpoints/identity.py: model id + a fingerprint of its answers), so a
+    # redeploy at the same URL reuses neither finished items nor cached completions
+    endpoint_identity: str | None = None
+    baseline_endpoint_identity: str | None = None
 
 
 def model_identity(spec: str | None, endpoint: str | None, backend: str,
-                   kv_cache_dtype: str = "auto") -> dict[str, Any]:
-    """What makes two runs comparable: the weights' hash (or the endpoint), the backend and, when quantized, the
-    KV cache's storage."""
+                   kv_cache_dtype: str = "auto", served: str | None = None) -> dict[str, Any]:
+    """What makes two runs comparable: the weights' hash (or the endpoint and, where known, the identity of what
+    it serves), the backend and, when quantized, the KV cache's storage."""
     if endpoint:
-        return {"endpoint": endpoint, "tokenizer": spec}
+        return {"endpoint": endpoint, "tokenizer": spec} | ({"served": served} if served else {})
     src = resolve_model(spec) if spec is not None else None
     identity = {"backend": backend, "spec": spec, "sha256": src.sha256 if src else None}
     return identity if kv_cache_dtype == "auto" else {**identity, "kv_cache_dtype": kv_cache_dtype}
@@ -98,9 +102,10 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
             raise QToolError(f"KV cache dtype {kv!r} is unknown: use one of {', '.join(KV_CACHE_DTYPES)}")
         if kv != "auto" and cfg.backend != "engine":
             raise QToolError(f"a {kv} KV cache needs the engine backend: drop --backend {cfg.backend}")
-    identities = {"candidate": model_identity(cfg.model, cfg.endpoint, cfg.backend, cfg.kv_cache_dtype),
+    identities = {"candidate": model_identity(cfg.model, cfg.endpoint, cfg.backend, cfg.kv_cache_dtype,
+                                              cfg.endpoint_identity),
                   "baseline": model_identity(cfg.baseline, cfg.baseline_endpoint, cfg.backend,
-                                             cfg.baseline_kv_cache_dtype)}
+                                             cfg.baseline_kv_cache_dtype, cfg.baseline_endpoint_identity)}
     # every task is built before anything is written or run, so a refusal (no sandbox for code) costs nothing
     built = {name: make_task(name, seed=cfg.seed, **cfg.task_options) for name in names}
     store = ResultsFile(cfg.output, overwrite=cfg.overwrite,

@@ -123,6 +123,11 @@ class EndpointInfo:
     server: str | None = None  # the `server` response header (uvicorn, ...)
     version: dict[str, Any] | None = None  # /version where exposed (vLLM)
     api_key_env: str | None = None  # the variable's name, never its value
+    # endpoints/identity.py: the key reuse is keyed by (model id + a fingerprint of its answers), the fingerprint,
+    # and what changed since the last run in the same output folder (a redeploy at the same URL)
+    identity: str | None = None
+    fingerprint: dict[str, Any] | None = None
+    changed: str | None = None
 
 
 def probe(dep: Deployment) -> EndpointInfo:

@@ -10,7 +10,8 @@ a gate resting on it has `state="not measurable"` (and `passed=False`, so it can
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from qtoolkit.evals.runner import EvalConfig, evaluate
 
 from ..bench.deployment import bench_deployments, throughput_table
 from ..endpoints.deployment import Deployment, EndpointInfo, endpoint, probe
+from ..endpoints.identity import EndpointIdentity, fingerprint, settle
 from ..errors import QToolError
 from ..evals.results import EvalResults
 from ..io import write_json
@@ -102,8 +104,9 @@ def signoff_deployments(cfg: SignoffConfig) -> dict[str, Any]:
     steps = StepRunner(out)
     custom_signoff.check_policy(policy, cfg.data)
     tasks = custom_signoff.eval_tasks(policy, cfg.data)
-    served = {role: {"url": i.url, "model_id": i.model_id, "version": i.version, "server": i.server}
-              for role, i in infos.items()}
+    infos = {role: identify(out, deps[role], i) for role, i in infos.items()}
+    served = {role: {"url": i.url, "model_id": i.model_id, "version": i.version, "server": i.server,
+                     "identity": i.identity} for role, i in infos.items()}
     results: dict[str, dict[str, Any]] = {}
     quant = _checkpoint_report(deps["candidate"])
     results["checkpoint"] = {"status": "ok", "note": "quantize_report.json of --model" if quant else
@@ -119,6 +122,17 @@ def signoff_deployments(cfg: SignoffConfig) -> dict[str, Any]:
         return _decide_and_write(cfg, policy, infos, results, quant)
     finally:
         steps.lock.release()  # the folder is free again for the next run in this process
+
+
+def identify(out: Path, dep: Deployment, info: EndpointInfo) -> EndpointInfo:
+    """`info` with the endpoint's identity (model id + a fingerprint of its answers) settled against the last run
+    in `out`: a redeploy at the same URL changes it, so nothing measured on the old deployment is reused."""
+    current = EndpointIdentity(info.url, info.model_id, fingerprint(dep, info.model_id))
+    settled, change = settle(out, dep.role, current)
+    if change:  # one line even under QTOOLKIT_QUIET: results the user may expect reused are measured again
+        print(f"qtool: the {dep.role} endpoint {info.url} is not the deployment of the last run in {out}: {change}; "
+              "its eval and bench steps are measured again", file=sys.stderr, flush=True)
+    return replace(info, identity=settled.key(), fingerprint=asdict(settled.fingerprint), changed=change)
 
 
 def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], infos: dict[str, EndpointInfo],
@@ -138,7 +152,8 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
             output=str(out / "eval.json"), limit=items, endpoint=infos["candidate"].url,
             baseline_endpoint=infos["baseline"].url, seed=cfg.seed, overwrite=overwrite,
             model_id=infos["candidate"].model_id, baseline_model_id=infos["baseline"].model_id,
-            task_options=cfg.task_options(),
+            task_options=cfg.task_options(), endpoint_identity=infos["candidate"].identity,
+            baseline_endpoint_identity=infos["baseline"].identity,
             baseline_generations=cfg.baseline_generations))
 
     def judge() -> tuple[list[Gate], list[Gate]]:

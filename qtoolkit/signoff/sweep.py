@@ -315,7 +315,9 @@ def _endpoint_judge(policy: Policy) -> JudgeAt:
                               limit=items, endpoint=served["candidate"]["url"],
                               baseline_endpoint=served["baseline"]["url"], seed=c.cfg.seed,
                               model_id=served["candidate"]["model_id"], baseline_model_id=served["baseline"]["model_id"],
-                              task_options=c.cfg.task_options())
+                              task_options=c.cfg.task_options(),
+                              endpoint_identity=served["candidate"].get("identity"),
+                              baseline_endpoint_identity=served["baseline"].get("identity"))
 
         def rejudge(evals: EvalResults | None, level: float) -> list[Gate]:
             bench = _load(c.folder / "bench.json")
