@@ -90,11 +90,15 @@ def test_signoff_decides_names_the_endpoints_and_lists_what_it_cannot_measure(ru
         assert gates[name]["state"] == "not measurable" and not gates[name]["passed"]
         assert gates[name]["verdict"] == "INCONCLUSIVE"
         assert gates[name]["point"] is None
-    measured = ["code.pass_at_1_drop", "summarization.rougeL_drop", "throughput.min_speedup",
+    measured = ["code.pass_at_1_drop", "summarization.rougeL_drop",
                 "memory.max_linear_ratio_vs_bf16", "code.nll_delta", "summarization.nll_delta"]  # NLL: echo + logprobs
     assert all(gates[n]["state"] is None and gates[n]["point"] is not None for n in measured)
     rounds = report["deployment_bench"]["tiers"][-1]["total_speedup_rounds"]
-    assert gates["throughput.min_speedup"]["judged"] == pytest.approx(rounds["ci95"][0]) and rounds["rounds"] == 2
+    assert rounds["rounds"] == 2 and rounds["ci95"] is not None
+    # the default policy's speed gates (TPOT, TTFT ratios of signoff/speed.py) read the local bench's paired rounds;
+    # a deployment bench does not feed them yet: no evidence, never a PASS
+    for name in ("throughput.decode_tpot_ratio", "throughput.prefill_ttft_ratio"):
+        assert gates[name]["verdict"] == "NO EVIDENCE" and not gates[name]["passed"]
     assert report["ablation"] is None and report["diagnose"] is None  # never filled in from the local engine
     assert {x["key"] for x in report["not_measurable"]} >= {"ablation", "kld", "speculative_engine", "diagnose"}
     md = (out / "report.md").read_text()
@@ -115,8 +119,15 @@ def test_quality_equals_standalone_eval(run, endpoints, int4_dir, tiny_model_dir
                      "--task", "code,summarization", "--limit", "2", "--output", str(tmp_path / "eval.json")]) == 0
     alone = json.loads((tmp_path / "eval.json").read_text())
     inside = json.loads((out / "eval.json").read_text())
+    def figures(summary: dict) -> dict:
+        """The summary without its intervals: the sign-off computes each gate's PASS end and FAIL end at its own
+        share of the look's error (evals/stats/paired.side_errors), a standalone eval a two-sided 95% interval."""
+        if isinstance(summary, dict):
+            return {k: figures(v) for k, v in summary.items() if k not in ("ci95", "ci_coverage", "ci_reliable")}
+        return summary
+
     for task in ("code", "summarization"):
-        assert report["eval"][task]["summary"] == alone["tasks"][task]["summary"]
+        assert figures(report["eval"][task]["summary"]) == figures(alone["tasks"][task]["summary"])
         ids = sorted(alone["tasks"][task]["records"])
         assert ids == sorted(inside["tasks"][task]["records"]) and len(ids) == 2
         for i in ids:  # the same generations, not just the same aggregate (a sandbox error names its temp dir)
@@ -283,15 +294,15 @@ def test_an_edited_data_file_is_evaluated_again(endpoints, int4_dir, tiny_model_
     args = ["signoff", "--candidate-endpoint", endpoints["candidate"], "--baseline-endpoint", endpoints["baseline"],
             "--model", str(int4_dir), "--baseline", str(tiny_model_dir), "--policy", str(policy), "--data", str(data),
             "--limit", "2", "--max-items", "2", *LOAD, "--rounds", "2", "--output", str(tmp_path / "run")]
+    evals = tmp_path / "run" / "eval.json"
     with env(**ROLE_ENV):
         assert main(args) in (0, 1, 3)
-        capsys.readouterr()
+        first = evals.stat().st_mtime_ns
         assert main(args) in (0, 1, 3)
-        assert "eval: up to date" in capsys.readouterr().err  # same file, same code: reused
+        assert evals.stat().st_mtime_ns == first  # same file, same code: the eval step is reused, not rewritten
         data.write_text("\n".join(lines[2:4]) + "\n")  # edited in place: other items under the same name
         assert main(args) in (0, 1, 3)
-    err = capsys.readouterr().err
-    assert "eval: up to date" not in err and "eval: running" in err
+    assert evals.stat().st_mtime_ns != first
     records = json.loads((tmp_path / "run" / "eval.json").read_text())["tasks"]["custom:work"]["records"]
     ids = {json.loads(x)["id"] for x in lines[2:4]}
     assert set(records) == ids
