@@ -155,8 +155,16 @@ def test_report_quality_figures_match_standalone_eval(run_dir, tiny_model_dir, t
     assert code == 0
     standalone = json.loads(out.read_text())["tasks"]
     report = json.loads((run_dir / "report.json").read_text())
-    for task in ("code", "summarization"):
-        assert report["eval"][task]["summary"] == standalone[task]["summary"]
+    for task in ("code", "summarization"):  # the intervals differ by design: the sign-off's ends are sided
+        assert _without_intervals(report["eval"][task]["summary"]) == _without_intervals(standalone[task]["summary"])
+
+
+def _without_intervals(node):
+    """A summary's figures without its intervals: a sign-off computes each gate's PASS end and FAIL end at its own
+    share of the look's error (evals/stats/paired.side_errors), a standalone eval a two-sided 95% interval."""
+    if isinstance(node, dict):
+        return {k: _without_intervals(v) for k, v in node.items() if k not in ("ci95", "ci_coverage", "ci_reliable")}
+    return node
 
 
 def test_report_bench_figures_match_standalone_bench_serve(run_dir, tiny_model_dir, tmp_path):
