@@ -40,6 +40,7 @@ import numpy as np
 from scipy.stats import t as student_t
 
 from qtoolkit.progress import bar
+from qtoolkit.signoff.error_spending import plan
 
 from . import intervals as iv
 from .at_bound_table import ONE_LOOK, SEVERAL_LOOKS
@@ -51,14 +52,6 @@ DEFAULT_LOOKS = (8, 16, 32, 64)  # qtool signoff's --limit 8, --max-items 64
 MAX_SHARE = 5.0  # no end spends more than 5x its look's nominal error, whatever the simulation allows
 BOUNDS = {"kld": 0.10, "nll": 0.10, "bounded": 0.05, "binary": 0.15}  # recipes/policies/default.yaml
 GATE_OF = {"kld": "kld_mean", "nll": "nll_delta", "bounded": "rougeL_drop", "binary": "pass_at_1_drop"}
-
-
-def pocock_errors(looks: Sequence[int], alpha: float) -> list[float]:
-    """The error each look spends (qtoolkit/signoff/error_spending.py's design, recomputed without importing the
-    sign-off: evals/ sits below it). One look spends all of alpha."""
-    total = looks[-1]
-    spent = [alpha * math.log(1 + (math.e - 1) * n / total) for n in looks[:-1]] + [alpha]
-    return [b - a for a, b in zip([0.0, *spent[:-1]], spent, strict=True)]
 
 
 def _solve_rouge_shift(target: float, **p: Any) -> float:
@@ -114,7 +107,7 @@ class Design:
 
     @property
     def errors(self) -> list[float]:
-        return pocock_errors(self.looks, self.alpha)
+        return list(plan(self.looks, self.alpha).look_alphas)
 
 
 def designs() -> list[Design]:
@@ -220,7 +213,7 @@ class Cell:
 def per_run(sc: Scenario, crit: dict[int, Critical], looks: Sequence[int], bound_is_upper: bool) -> Cell:
     """A design spends error e_k = total x w_k at look k (Pocock weights): a run PASSes at some look when
     total >= crit_k / w_k there, so its critical total is the minimum over the looks that may decide."""
-    weights = pocock_errors(looks, 1.0)
+    weights = [e / ALPHA for e in plan(looks, ALPHA).look_alphas]
     pass_at = np.full(crit[looks[0]].decides.shape, np.inf)
     fail_at = pass_at.copy()
     for n, wk in zip(looks, weights, strict=True):
