@@ -21,13 +21,13 @@ of each candidate's evidence, at a level that keeps the family-wise error at mos
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..evals.results import EvalResults
-from ..evals.runner import EvalConfig, evaluate
+from ..evals.resummarize import resummarize
 from ..evals.stats.paired import confidence_level
 from . import gates as verdicts
 from .error_spending import ALPHA, plan
@@ -62,28 +62,21 @@ def look_levels(limit: int, max_items: int | None, alpha: float) -> dict[int, fl
     return dict(zip(scaled.items, scaled.levels, strict=True))
 
 
-# (eval.json copy, task, items) -> the eval that re-reads that task's finished items into the copy (no model runs:
-# every item is there, so only the summary is rebuilt)
-Resummarize = Callable[[Path, str, int], EvalConfig]
 # (EvalResults at the family level, throughput level) -> the gates
 Rejudge = Callable[[EvalResults | None, float], list[Gate]]
 
 
-def judge_at(alpha: float, folder: Path, levels: dict[int, float], resummarize: Resummarize,
+def judge_at(alpha: float, folder: Path, levels: dict[int, float], task_options: dict[str, Any],
              rejudge: Rejudge) -> FamilyJudgement:
     """A candidate's gates with every interval at its share `alpha`: each task's summary rebuilt from its
-    finished items at the level of the look it stopped at, the throughput rounds at 1 - alpha."""
-    evals = None
+    finished items (evals/resummarize.py, as --rejudge does) at the level of the look it stopped at, the
+    throughput rounds at 1 - alpha."""
+    def level_at(items: int) -> float:
+        # the look the task stopped at (a workload file shorter than a look stops between them: the next)
+        return next((lv for n, lv in sorted(levels.items()) if items <= n), min(levels.values()))
+
     source = folder / "eval.json"
-    if source.is_file():
-        copy = folder / "eval-family.json"
-        shutil.copyfile(source, copy)
-        for task, result in EvalResults.load(source).tasks.items():
-            # the look the task stopped at (a workload file shorter than a look stops between them: the next)
-            level = next((lv for n, lv in sorted(levels.items()) if result.items <= n), min(levels.values()))
-            with confidence_level(level, looks=len(levels)):  # every interval of the rebuilt summary at the family-wise look level
-                evaluate(resummarize(copy, task, result.items))
-        evals = EvalResults.load(copy)
+    evals = resummarize(source, level_at, len(levels), task_options) if source.is_file() else None
     with confidence_level(1 - alpha, looks=len(levels)):
         gates = rejudge(evals, 1 - alpha)
     verdict = verdicts.overall([(g.verdict, g.required) for g in gates]) if gates else verdicts.INCONCLUSIVE

@@ -25,7 +25,6 @@ from ..bench.memory import peak_memory
 from ..diagnose.run import diagnose
 from ..errors import OutputWriteError, QToolError
 from ..evals.results import EvalResults
-from ..evals.runner import EvalConfig
 from ..evals.summary import RoundsRatio
 from ..io import write_json
 from ..model.sources import ModelSource, resolve_model
@@ -35,7 +34,7 @@ from ..quantize.recipe import Recipe, load_recipe
 from . import gates as verdicts
 from . import workload as custom_signoff
 from .deployment import judge_deployment, signoff_deployments
-from .family import FamilyJudgement, Rejudge, Resummarize, fallback, judge_at, look_levels
+from .family import FamilyJudgement, Rejudge, fallback, judge_at, look_levels
 from .judge import Gate, evaluate_gates
 from .policy import Policy, load_policy
 from .ranking import Row, worst_gate, write_sweep_reports
@@ -241,14 +240,8 @@ def _family(cands: list[Candidate], judge: JudgeAt) -> None:
 def _local_judge(policy: Policy) -> JudgeAt:
     def judge(c: Candidate, alpha: float) -> FamilyJudgement:
         levels = look_levels(c.cfg.limit, c.cfg.max_items, alpha)
-        return judge_at(alpha, c.folder, levels, _resummarize(c), _rejudge(c, policy))
+        return judge_at(alpha, c.folder, levels, c.cfg.task_options(), _rejudge(c, policy))
     return judge
-
-
-def _resummarize(c: Candidate) -> Resummarize:
-    assert c.run is not None
-    run = c.run
-    return lambda copy, task, items: run.eval_config(task, items, copy)
 
 
 def _rejudge(c: Candidate, policy: Policy) -> Rejudge:
@@ -307,22 +300,10 @@ def signoff_endpoint_sweep(cfg: SignoffConfig, pairs: list[tuple[str, str]]) -> 
 
 def _endpoint_judge(policy: Policy) -> JudgeAt:
     def judge(c: Candidate, alpha: float) -> FamilyJudgement:
-        served = (c.report or {}).get("deployments") or {}
-
-        def resummarize(copy: Path, task: str, items: int) -> EvalConfig:
-            # the items are in the copy: nothing is sent to the endpoints
-            return EvalConfig(model=c.cfg.model, baseline=c.cfg.baseline or c.cfg.model, tasks=task, output=str(copy),
-                              limit=items, endpoint=served["candidate"]["url"],
-                              baseline_endpoint=served["baseline"]["url"], seed=c.cfg.seed,
-                              model_id=served["candidate"]["model_id"], baseline_model_id=served["baseline"]["model_id"],
-                              task_options=c.cfg.task_options(),
-                              endpoint_identity=served["candidate"].get("identity"),
-                              baseline_endpoint_identity=served["baseline"].get("identity"))
-
         def rejudge(evals: EvalResults | None, level: float) -> list[Gate]:
             bench = _load(c.folder / "bench.json")
             return judge_deployment(c.cfg, policy, evals, throughput_table(bench) if bench else None, None)[0]
 
         levels = look_levels(c.cfg.limit, c.cfg.max_items, alpha)
-        return judge_at(alpha, c.folder, levels, resummarize, rejudge)
+        return judge_at(alpha, c.folder, levels, c.cfg.task_options(), rejudge)
     return judge
