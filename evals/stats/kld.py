@@ -12,7 +12,7 @@ collapsed, and its units: PPLs and KLD as numbers, Δp, "Same top p" and the cor
 "Mean" entries are [value, ±] with ± the standard error over tokens, as llama.cpp prints them. Percentiles are
 numpy's linear-interpolated quantiles over all tokens (llama.cpp reads a sorted array at the nearest rank; on
 thousands of tokens the two agree to the printed digits). What differs is which tokens are scored: see
-"Perplexity method" in the README.
+"Perplexity method" in docs/eval.md.
 """
 
 from __future__ import annotations
