@@ -20,19 +20,23 @@ PROVENANCE = {"baseline", "candidate", "workload_sha256", "rounds_workload_sha25
 
 
 class ServerCount:
-    """The most `qtool serve` children of this process alive at once, sampled in a thread."""
+    """The most `qtool serve` children this process started inside the block alive at once, sampled in a thread.
+
+    Only direct children count: a server's own short-lived forks (a subprocess between fork and exec carries the
+    server's command line) are not servers, nor is a server an earlier test left running."""
 
     def __init__(self) -> None:
         self.most, self._stop = 0, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._before = {p.pid for p in psutil.Process().children()}
 
     def _run(self) -> None:
         me = psutil.Process()
         while not self._stop.is_set():
             alive = 0
-            for p in me.children(recursive=True):
+            for p in me.children(recursive=False):
                 try:
-                    alive += "serve" in p.cmdline()
+                    alive += p.pid not in self._before and "serve" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE
                 except psutil.Error:
                     pass
             self.most = max(self.most, alive)
