@@ -9,6 +9,7 @@ sees a torn file; other files in the folder (a trainer's state) are left alone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -21,7 +22,8 @@ from safetensors.torch import save_file
 
 from ..errors import DraftHeadError
 from ..io import fsync_dir
-from .head import Eagle3Config, Eagle3Head
+from . import speculators
+from .head import Eagle3Config, Eagle3Head, default_aux_layer_ids
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -95,6 +97,8 @@ def read_head_config(folder: Path) -> Eagle3Config:
         cfg = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise _fail(folder, f"{CONFIG} is not valid JSON ({str(e).splitlines()[0]})", RETRAIN) from None
+    if speculators.is_speculators(cfg):
+        return speculators.head_config(folder, cfg, lambda problem, fix: _fail(folder, problem, fix))
     archs = cfg.get("architectures") if isinstance(cfg, dict) else None
     if not isinstance(archs, list) or ARCHITECTURE not in archs:
         raise _fail(folder, f"architecture {archs} is not {ARCHITECTURE} (vLLM's EAGLE-3 draft layout)",
@@ -129,43 +133,65 @@ def check_fits(folder: Path, c: Eagle3Config, target: Any) -> None:
     if not 0 < c.draft_vocab_size <= c.vocab_size:
         raise _fail(folder, f"draft_vocab_size {c.draft_vocab_size} is outside 1..{c.vocab_size}", RETRAIN)
     top = target.num_layers - 1
-    if len(c.aux_layer_ids) != 3 or any(not 1 <= i <= top for i in c.aux_layer_ids):
+    if c.aux_layer_ids and len(c.aux_layer_ids) != 3 or any(not 1 <= i <= top for i in c.aux_layer_ids):
         raise _fail(folder, f"aux layer ids {list(c.aux_layer_ids)} are not three target layers in 1..{top}",
                     f"use the head trained for this model, or {RETRAIN}")
 
 
 def read_tensors(folder: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The head's tensors under Eagle3Head's names (speculators' `layers.0.` read as `midlayer.`), plus the
+    head's own `embed_tokens.weight` where the file has one. `d2t` / `t2d` may be absent only where the draft
+    vocabulary is the whole target vocabulary (speculators then omits them): the identity maps are filled in."""
     path = folder / WEIGHTS
     if not path.is_file():
         others = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
         what = f"{WEIGHTS} is missing" + (f" ({', '.join(others)} is not safetensors)" if others else "")
         raise _fail(folder, what, f"only safetensors weights are read: {RETRAIN}")
+    optional = {"embed_tokens.weight"}
+    if expected["d2t"].shape == (expected["t2d"].shape[0],):
+        optional |= {"d2t", "t2d"}
     try:
         with safe_open(str(path), framework="pt") as f:
-            names = set(f.keys())
-            missing, extra = sorted(set(expected) - names), sorted(names - set(expected) - {"embed_tokens.weight"})
+            names = {speculators.rename(n): n for n in f.keys()}
+            missing = sorted(set(expected) - set(names) - optional)
+            extra = sorted(set(names) - set(expected) - optional)
             if missing or extra:
                 raise _fail(folder, f"{WEIGHTS} lacks {missing[:3]} / has unexpected {extra[:3]}", RETRAIN)
-            tensors = {name: f.get_tensor(name) for name in expected}
+            tensors = {name: f.get_tensor(stored) for name, stored in names.items()}
     except SafetensorError as e:
         raise _fail(folder, f"{WEIGHTS} is not a safetensors file ({str(e).splitlines()[0]})", RETRAIN) from None
+    tensors.setdefault("d2t", torch.zeros_like(expected["d2t"]))
+    tensors.setdefault("t2d", torch.ones_like(expected["t2d"]))
+    shapes = {**{k: tuple(v.shape) for k, v in expected.items()},
+              "embed_tokens.weight": (expected["t2d"].shape[0], expected["fc.weight"].shape[0])}
     for name, t in tensors.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
+        if tuple(t.shape) != shapes[name]:
             raise _fail(folder, f"tensor {name} has shape {list(t.shape)}, {CONFIG} implies "
-                        f"{list(expected[name].shape)}", RETRAIN)
+                        f"{list(shapes[name])}", RETRAIN)
     return tensors
 
 
+def resolve_aux(config: Eagle3Config, target_config: Any) -> Eagle3Config:
+    """A head config whose aux layers were left to the target (speculators' null) gets the target's default taps."""
+    if config.aux_layer_ids:
+        return config
+    return dataclasses.replace(config, aux_layer_ids=default_aux_layer_ids(target_config.num_layers))
+
+
 def load_head(folder: str | os.PathLike, target_config: Any, dtype: torch.dtype = torch.float32) -> Eagle3Head:
-    """A head folder checked against the target it drafts for; every problem is one DraftHeadError line."""
+    """A head folder (vLLM's EAGLE-3 layout or speculators') checked against the target it drafts for; every
+    problem is one DraftHeadError line."""
     folder = Path(folder)
     config = read_head_config(folder)
     check_fits(folder, config, target_config)
-    head = Eagle3Head(config)
+    head = Eagle3Head(resolve_aux(config, target_config))
     tensors = read_tensors(folder, head.state_dict())
     target_ids = torch.arange(config.draft_vocab_size) + tensors["d2t"].to(torch.int64)
     if target_ids.min() < 0 or target_ids.max() >= config.vocab_size:
         raise _fail(folder, "d2t maps draft ids outside the target's vocabulary", RETRAIN)
+    embed = tensors.pop("embed_tokens.weight", None)
     head.load_state_dict({k: v.to(torch.int64) if k == "d2t" else v.to(torch.bool) if k == "t2d" else v
                           for k, v in tensors.items()})
-    return head.to(dtype).eval()
+    head = head.to(dtype).eval()
+    head.embed_tokens = None if embed is None else embed.to(dtype)
+    return head

@@ -133,6 +133,9 @@ class Eagle3Head(nn.Module):
         self.register_buffer("t2d", t2d)
         # not a buffer: .to(bfloat16) would round the rotary frequencies; positions rotate in fp32 always
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, None)
+        # the head's own token embeddings where its checkpoint carries them (speculators' heads do); None: the
+        # target's, which the head shares (vLLM's layout, and heads `qtool train-draft` writes)
+        self.embed_tokens: torch.Tensor | None = None
 
     def set_vocab(self, draft_to_target: torch.Tensor) -> None:
         """Install the draft vocabulary: draft id i proposes target id draft_to_target[i]."""

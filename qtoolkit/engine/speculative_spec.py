@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from ..errors import QToolError
 
-USAGE = ("use ngram, draft:PATH, self-int4, self-fp8, self-skip, self-skip:K, self:PATH, eagle3:DIR (a `qtool "
-         "train-draft` head) or none")
+USAGE = ("use ngram, draft:PATH, self-int4, self-fp8, self-skip, self-skip:K, self:PATH, eagle3:DIR (an EAGLE-3 "
+         "head from `qtool train-draft` or vLLM's speculators) or none")
 OFF = ("", "none", "off")
 PLAIN_KINDS = ("ngram", "self-int4", "self-fp8", "self-skip")  # proposers that read no folder
 # proposers written KIND:PATH; self-skip:K is the exception, its "path" is the number of layers the draft keeps

@@ -76,7 +76,8 @@ class Eagle3Proposer:
 
     def _embed(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(ids, dtype=torch.long)
-        return F.embedding(ids, self.target.embed_tokens).to(self.head.fc.weight.dtype)
+        table = self.target.embed_tokens if self.head.embed_tokens is None else self.head.embed_tokens
+        return F.embedding(ids, table).to(self.head.fc.weight.dtype)
 
     # -- features from the target's forwards ----------------------------------------------------------------
     @torch.inference_mode()
