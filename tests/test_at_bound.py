@@ -245,13 +245,14 @@ def test_the_old_two_sided_rule_passed_too_often_at_the_bound(simulated):
 
 def test_a_clear_pass_at_1_regression_fails_by_64_items():
     """True drop 0.3 from a baseline share of 0.6: how often the default looks decide FAIL by 64 items. The issue's
-    bar is 80%; measured 77% when the candidate only loses items and 66% when it also wins back 10% of the
-    baseline's failures (measurements/2026-12-04/issue39/at-bound.json): Newcombe's interval is not vouched for
-    at 12-16 items (two-sided coverage 0.927 with the drop on its bound), so the second look cannot decide. Held
-    here at what is measured, so a change that loses power fails."""
+    bar is 80%: with Tango's score interval 85.5% when the candidate only loses items and 62.9% when it also wins
+    back 10% of the baseline's failures (measurements/2026-12-04/issue39/at-bound.json, 20,000 runs; Newcombe's
+    interval gave 77% and 66%). A win-back adds discordant pairs both ways, so even one look of 64 items spending
+    the whole 5% on the FAIL end decides only ~73% of those. Held here three standard errors of these 2,000 runs
+    under what is measured, so a change that loses power fails."""
     out = ab.power(SIDE_SHARES["binary"][SEVERAL_LOOKS][1], RUNS, RESAMPLES, 11)
-    assert out["power-back0.0"]["decided_fail_by_64"]["rate"] >= 0.73, out
-    assert out["power-back0.1"]["decided_fail_by_64"]["rate"] >= 0.61, out
+    assert out["power-back0.0"]["decided_fail_by_64"]["rate"] >= 0.82, out
+    assert out["power-back0.1"]["decided_fail_by_64"]["rate"] >= 0.59, out
 
 
 def test_three_candidates_on_the_bound_keep_the_family_wise_error(simulated):
