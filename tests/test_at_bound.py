@@ -88,6 +88,92 @@ def test_newcombe_matches_the_published_formula_on_every_table():
                     assert (lo[0], hi[0]) == pytest.approx(_newcombe_scalar(a, b, c, d, 0.95), abs=1e-12)
 
 
+def _table(a: int, b: int, c: int, d: int) -> tuple[np.ndarray, np.ndarray]:
+    cand = np.array([1] * a + [1] * b + [0] * c + [0] * d, dtype=bool)
+    base = np.array([1] * a + [0] * b + [1] * c + [0] * d, dtype=bool)
+    return cand[None], base[None]
+
+
+def _tango_scalar(b: int, c: int, n: int, level: float) -> tuple[float, float]:
+    """Tango (1998) written out for one table: the restricted estimate q of the baseline-only share solves
+    2n q^2 + B q + C = 0 with B = -b - c + (2n - b + c) delta, C = -c delta (1 - delta); the score is
+    (b - c - n delta) / sqrt(n (2 q + delta (1 - delta))); the ends are where it equals -+z (scipy's brentq)."""
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+    z = norm.ppf((1 + level) / 2)
+
+    def score(delta: float) -> float:
+        qb, qc = -b - c + (2 * n - b + c) * delta, -c * delta * (1 - delta)
+        q = (math.sqrt(max(qb * qb - 8 * n * qc, 0.0)) - qb) / (4 * n)
+        var = n * (2 * q + delta * (1 - delta))
+        num = b - c - n * delta
+        return num / math.sqrt(var) if var > 0 else (0.0 if num == 0 else math.copysign(math.inf, num))
+
+    edge, est = 1 - 1e-13, (b - c) / n
+    lo = -1.0 if score(-edge) <= z else brentq(lambda x: score(x) - z, -edge, est, xtol=1e-14)
+    hi = 1.0 if score(edge) >= -z else brentq(lambda x: score(x) + z, est, edge, xtol=1e-14)
+    return lo, hi
+
+
+@pytest.mark.parametrize("level", [0.95, 0.995])
+def test_tango_matches_a_scalar_transcription_on_every_table(level):
+    """The vectorized interval equals Tango's formula solved one table at a time on every table of 3, 8, 12 and
+    20 pairs (the ends depend only on the discordant counts b and c)."""
+    for n in (3, 8, 12, 20):
+        for b in range(n + 1):
+            for c in range(n + 1 - b):
+                lo, hi = iv.tango_paired(*_table(n - b - c, b, c, 0), level)
+                assert (lo[0], hi[0]) == pytest.approx(_tango_scalar(b, c, n, level), abs=1e-9), (n, b, c)
+
+
+def test_tango_is_never_a_point_and_has_the_closed_form_without_discordant_pairs():
+    """No item flips: the score statistic is sqrt(n |delta| / (1 - |delta|)), so the interval is exactly
+    +-z^2 / (n + z^2) (8 items at 95%: +-0.3244, the same width as Newcombe's there); every table of up to 16
+    pairs gives a positive width at every level the sign-off uses."""
+    from scipy.stats import norm
+    for n in range(1, 80):
+        for level in (0.95, 0.9942):
+            z = norm.ppf((1 + level) / 2)
+            lo, hi = iv.tango_paired(*_table(n // 2, 0, 0, n - n // 2), level)
+            assert (lo[0], hi[0]) == pytest.approx((-z * z / (n + z * z), z * z / (n + z * z)), abs=1e-12)
+    for n in (1, 2, 5, 8, 16):
+        tables = [(b, c) for b in range(n + 1) for c in range(n + 1 - b)]
+        cand = np.array([[1] * b + [0] * c + [0] * (n - b - c) for b, c in tables], dtype=bool)
+        base = np.array([[0] * b + [1] * c + [0] * (n - b - c) for b, c in tables], dtype=bool)
+        for level in (0.5, 0.95, 0.999, 1 - 1e-6):
+            lo, hi = iv.tango_paired(cand, base, level)
+            assert np.all(hi - lo > 1e-3) and np.all(lo >= -1) and np.all(hi <= 1), (n, level)
+
+
+def test_tango_statistic_falls_with_the_tested_difference_on_every_table():
+    """The at-bound simulation reads each run's critical error from the statistic at the bound (tango_critical),
+    which is the interval's only if the statistic falls as the tested difference grows: checked on a fine grid for
+    every table at the sign-off's looks."""
+    grid = np.linspace(-0.999, 0.999, 1999)
+    for n in (8, 16, 32, 64):
+        b, c = (x.ravel().astype(np.float64) for x in np.meshgrid(np.arange(n + 1), np.arange(n + 1)))
+        keep = b + c <= n
+        t = iv.tango_z(b[keep, None], c[keep, None], n, grid[None, :])
+        finite = np.isfinite(t[:, 1:]) & np.isfinite(t[:, :-1])
+        assert not np.any((np.diff(t, axis=1) > 1e-12) & finite), n
+
+
+def test_tango_critical_errors_agree_with_the_interval():
+    """tango_critical's error is where the interval's end crosses the bound: a hair more error and the end is past
+    it, a hair less and it is not."""
+    rng = np.random.default_rng(3)
+    for n in (8, 16, 64):
+        base = rng.random((300, n)) < 0.6
+        cand = base ^ (rng.random((300, n)) < np.where(base, 0.35, 0.05))
+        for bound in (-0.15, 0.0, 0.1):
+            hi_below, lo_above = iv.tango_critical(cand, base, bound)
+            for crit, end, past in ((hi_below, 1, np.less_equal), (lo_above, 0, np.greater_equal)):
+                ok = (crit > 1e-6) & (crit < 0.45)
+                more = iv.tango_paired(cand, base, 1 - 2 * np.minimum(crit * 1.001, 0.499))[end]
+                less = iv.tango_paired(cand, base, 1 - 2 * crit * 0.999)[end]
+                assert np.all(past(more, bound)[ok]) and not np.any(past(less, bound)[ok]), (n, bound, end)
+
+
 @pytest.mark.parametrize("lo, hi", [(math.nan, 0.01), (0.01, math.nan), (-math.inf, 0.01), (math.nan, math.nan)])
 def test_a_nan_or_infinite_end_never_passes(lo, hi):
     j = judge_interval(0.005, lo, hi, max_=0.1, min_=None)
@@ -159,13 +245,14 @@ def test_the_old_two_sided_rule_passed_too_often_at_the_bound(simulated):
 
 def test_a_clear_pass_at_1_regression_fails_by_64_items():
     """True drop 0.3 from a baseline share of 0.6: how often the default looks decide FAIL by 64 items. The issue's
-    bar is 80%; measured 77% when the candidate only loses items and 66% when it also wins back 10% of the
-    baseline's failures (measurements/2026-12-04/issue39/at-bound.json): Newcombe's interval is not vouched for
-    at 12-16 items (two-sided coverage 0.927 with the drop on its bound), so the second look cannot decide. Held
-    here at what is measured, so a change that loses power fails."""
+    bar is 80%: with Tango's score interval 85.5% when the candidate only loses items and 62.9% when it also wins
+    back 10% of the baseline's failures (measurements/2026-12-04/issue39/at-bound.json, 20,000 runs; Newcombe's
+    interval gave 77% and 66%). A win-back adds discordant pairs both ways, so even one look of 64 items spending
+    the whole 5% on the FAIL end decides only ~73% of those. Held here three standard errors of these 2,000 runs
+    under what is measured, so a change that loses power fails."""
     out = ab.power(SIDE_SHARES["binary"][SEVERAL_LOOKS][1], RUNS, RESAMPLES, 11)
-    assert out["power-back0.0"]["decided_fail_by_64"]["rate"] >= 0.73, out
-    assert out["power-back0.1"]["decided_fail_by_64"]["rate"] >= 0.61, out
+    assert out["power-back0.0"]["decided_fail_by_64"]["rate"] >= 0.82, out
+    assert out["power-back0.1"]["decided_fail_by_64"]["rate"] >= 0.59, out
 
 
 def test_three_candidates_on_the_bound_keep_the_family_wise_error(simulated):

@@ -1,4 +1,4 @@
-"""Paired CIs (bootstrap, Newcombe, t), pass@k and the llama.cpp-style token statistics on data with known answers."""
+"""Paired CIs (bootstrap, Tango, Newcombe, t), pass@k and the llama.cpp-style token statistics on data with known answers."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def test_paired_delta_names_its_method_and_coverage():
 def test_binary_deltas_never_collapse_to_a_point():
     # 8 problems failed by both models: the old percentile bootstrap said [0, 0]
     d = paired_delta([0] * 8, [0] * 8, seed=0)
-    assert d["delta"] == 0 and "Newcombe" in d["ci_method"]
+    assert d["delta"] == 0 and "Tango" in d["ci_method"]
     assert d["ci95"][0] == pytest.approx(-0.3244, abs=1e-3) and d["ci95"][1] == pytest.approx(0.3244, abs=1e-3)
     one = paired_delta([1, 0, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0], seed=0)  # one flip out of 8
     assert one["ci95"][0] < -0.125 < one["ci95"][1] and one["ci95"][1] > 0

@@ -168,9 +168,11 @@ def critical(family: str, s: Sample, n: int, counts: np.ndarray, bound: float) -
 
 def _critical_of(family: str, method: str, s: Sample, counts: np.ndarray, b: float
                  ) -> tuple[np.ndarray, np.ndarray]:
+    if method == "tango":  # its score statistic falls with the tested difference: the critical errors in closed form
+        return iv.tango_critical(s.cand, s.base, b)
     if family == "binary":
         def end(i: int) -> Callable[[np.ndarray], np.ndarray]:
-            return lambda e: iv.newcombe_paired(s.cand, s.base, 1 - 2 * e)[i]
+            return lambda e: iv.PAIRED_BINARY_METHODS[method](s.cand, s.base, 1 - 2 * e)[i]
         runs = s.cand.shape[0]
         return _bisect(end(1), lambda x: x <= b, runs), _bisect(end(0), lambda x: x >= b, runs)
     if method == "t":
@@ -320,8 +322,8 @@ def _share(x: float) -> float:
 def choose(out: dict[str, Any]) -> dict[str, dict[str, tuple[float, float]]]:
     """Per statistic and schedule (one look, several looks), the share of a look's error each end spends: the
     smallest cell's maximum, rounded down to 0.01. A share above 1 spends more nominal error than the look has:
-    allowed where the simulation shows the end's actual error within target (Newcombe's interval is
-    conservative over several looks), since the guarantee is the simulated rate, not the nominal one."""
+    allowed where the simulation shows the end's actual error within target (a paired pass/fail
+    interval is conservative over several looks), since the guarantee is the simulated rate, not the nominal one."""
     chosen: dict[str, dict[str, tuple[float, float]]] = {}
     for stat in GATE_OF:
         chosen[stat] = {}

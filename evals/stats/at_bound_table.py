@@ -10,5 +10,5 @@ SIDE_SHARES = {
     "kld": {ONE_LOOK: (0.07, 0.99), SEVERAL_LOOKS: (0.09, 1.47)},
     "nll": {ONE_LOOK: (0.16, 0.86), SEVERAL_LOOKS: (0.19, 1.03)},
     "bounded": {ONE_LOOK: (0.5, 1.07), SEVERAL_LOOKS: (0.28, 2.11)},
-    "binary": {ONE_LOOK: (0.44, 1.01), SEVERAL_LOOKS: (0.02, 2.1)},
+    "binary": {ONE_LOOK: (0.92, 0.55), SEVERAL_LOOKS: (1.57, 1.31)},
 }

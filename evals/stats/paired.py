@@ -8,8 +8,8 @@ Two kinds of uncertainty are reported and they answer different questions:
 Each interval comes with the method that made it and that method's simulated coverage at this many items
 (`ci_method`, `ci_coverage`, `ci_reliable`), from the table the coverage harness (evals/stats/coverage.py) writes:
 per shape of data and sample size it picks the narrowest method that keeps >= 93% coverage of a nominal 95%
-(studentized bootstrap, BCa or Student t for continuous per-item values, Newcombe's score interval for paired
-pass/fail, t on log ratios for rounds), and marks the interval unreliable where none does.
+(studentized bootstrap, BCa or Student t for continuous per-item values, Tango's or Newcombe's score interval
+for paired pass/fail, t on log ratios for rounds), and marks the interval unreliable where none does.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from scipy.stats import t as student_t
 
 from .at_bound_table import ONE_LOOK, SEVERAL_LOOKS, SIDE_SHARES
 from .ci_coverage_table import TABLE, TARGET
-from .intervals import BOOTSTRAP_METHODS, newcombe_paired, resample_counts
+from .intervals import BOOTSTRAP_METHODS, PAIRED_BINARY_METHODS, resample_counts
 
 BOOTSTRAP_NEEDS_COUNTS = {"percentile", "bca", "studentized"}
 
@@ -76,8 +76,8 @@ def side_errors(shape: str, error: float, looks: int) -> tuple[float, float]:
     each miss with probability at most 5% (over all looks) is wrong with probability at most 5%, whatever the
     truth. Each end's nominal share of the look's error comes from the simulation with the truth on the policy's
     bound (evals/stats/at_bound.py, written to evals/stats/at_bound_table.py): where an interval method misses
-    more often than its nominal level on one side (KLD's skewed item means on the low end, Newcombe's discrete
-    pass counts), that side spends less, so its simulated false PASS stays within 5%.
+    more often than its nominal level on one side (KLD's skewed item means on the low end, the discrete pass
+    counts of a paired pass/fail interval), that side spends less, so its simulated false PASS stays within 5%.
     """
     schedule = SIDE_SHARES.get(shape.split("-")[0], {})
     pass_share, fail_share = schedule.get(ONE_LOOK if looks == 1 else SEVERAL_LOOKS, (0.5, 0.5))
@@ -102,7 +102,8 @@ def sided_now(confidence: float | None) -> int:
 
 LABELS = {"studentized": "bootstrap-t (studentized, by item)", "bca": "BCa bootstrap (by item)",
           "t": "Student t (by item)", "percentile": "percentile bootstrap (by item)",
-          "newcombe": "Newcombe hybrid score (paired binary)", "rounds": "Student t on log ratios (by round)"}
+          "newcombe": "Newcombe hybrid score (paired binary)", "tango": "Tango score (paired binary)",
+          "rounds": "Student t on log ratios (by round)"}
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,8 @@ def coverage_at(shape: str, n: int, confidence: float = CONFIDENCE) -> tuple[str
     sequential design's overall error is simulated on its own) and the coverage is None: not simulated there.
 
     The table holds every look of the sign-off (8 items doubling to 64), so those read their own row; between rows
-    the row below is an approximation (coverage mostly grows with n, but not for paired binary intervals: 0.952
-    at 40 items, 0.929 at 64). Below the smallest simulated size nothing is known: marked unreliable.
+    the row below is an approximation (coverage mostly grows with n, but not for paired binary intervals: Tango's
+    0.940 at 40 items, 0.939 at 64). Below the smallest simulated size nothing is known: marked unreliable.
     """
     entry = TABLE[shape]
     sizes = sorted(int(k) for k in entry["method"])
@@ -200,19 +201,20 @@ def bootstrap_ci(values: Sequence[float], weights: Sequence[float] | None = None
 
 
 def binary_delta_ci(candidate: Sequence[float], baseline: Sequence[float], confidence: float | None = None) -> CI:
-    """Newcombe's paired interval for a difference of pass rates: never a point, even when all pairs agree."""
+    """The paired interval for a difference of pass rates the coverage table picks at this n (Tango's score
+    interval or Newcombe's hybrid score interval): never a point, even when all pairs agree."""
     sided = sided_now(confidence)
     confidence = current_confidence() if confidence is None else confidence
     c, b = np.asarray(candidate, dtype=bool), np.asarray(baseline, dtype=bool)
-    _, cov, ok = coverage_at("binary", int(c.size), confidence)
+    method, cov, ok = coverage_at("binary", int(c.size), confidence)
     if c.size == 0:
-        return CI(None, "newcombe", None, False)
+        return CI(None, method, None, False)
 
     def at(level: float) -> tuple[np.ndarray, np.ndarray]:
-        return newcombe_paired(c[None], b[None], level)
+        return PAIRED_BINARY_METHODS[method](c[None], b[None], level)
 
     lo, hi = sided_interval(at, "binary", confidence, sided) if sided else at(confidence)
-    return CI([float(lo[0]), float(hi[0])], "newcombe", cov, ok)
+    return CI([float(lo[0]), float(hi[0])], method, cov, ok)
 
 
 def _is_binary(*arrays: np.ndarray) -> bool:
@@ -232,7 +234,7 @@ def paired_delta(candidate: Sequence[float], baseline: Sequence[float], weights:
     """Candidate and baseline means over the same items, their difference and its paired 95% CI.
 
     The interval's shape is read from the data unless given: unweighted 0/1 outcomes are paired binary
-    (Newcombe), token-weighted per-item figures are NLL-like, other values in [0, 1] are bounded (ROUGE-like).
+    (Tango's score interval), token-weighted per-item figures are NLL-like, other values in [0, 1] are bounded (ROUGE-like).
     """
     c, b = np.asarray(candidate, dtype=np.float64), np.asarray(baseline, dtype=np.float64)
     if c.shape != b.shape:

@@ -54,8 +54,8 @@ def _rows(s: Sample, rows: np.ndarray, n: int) -> Sample:
 
 
 def _one_method(method: str, s: Sample, counts: np.ndarray | None, level: float) -> iv.Interval:
-    if method == "newcombe":
-        return iv.newcombe_paired(s.cand, s.base, level)
+    if method in iv.PAIRED_BINARY_METHODS:
+        return iv.PAIRED_BINARY_METHODS[method](s.cand, s.base, level)
     return iv.BOOTSTRAP_METHODS[method](s.v, s.w, counts, level)
 
 
@@ -79,7 +79,6 @@ def judge_look(family: str, s: Sample, n: int, level: float, counts: np.ndarray,
     for shape in sorted(set(shapes)):
         rows = np.flatnonzero(shapes == shape)
         method, _, reliable = coverage_at(shape, n)
-        method = "newcombe" if shape == "binary" else method
         sub = _rows(s, rows, n)
 
         def at(c: float, method: str = method, sub: Sample = sub) -> iv.Interval:

@@ -22,7 +22,7 @@ could reach K x 5%. Here the 5% is spent over the planned looks instead:
   PASS end misses with probability at most 5% over all looks, and whose FAIL end does too, is wrong with
   probability at most 5% whatever the truth. The union bound holds for intervals that keep their nominal level;
   at these levels KLD intervals of skewed item means miss more often than nominal on their low end (a false
-  PASS) and Newcombe's interval is discrete at 8 items, so the share each end spends is set per gate statistic
+  PASS) and the paired pass/fail interval is discrete at 8 items, so the share each end spends is set per gate statistic
   from the simulation with the truth exactly on the policy's bound (evals/stats/at_bound.py, table in
   evals/stats/at_bound_table.py, figures in measurements/2026-12-04/issue39/at-bound.json): the PASS end spends
   less where its interval overruns, the FAIL end keeps enough to decide a clear regression by the last look.
