@@ -69,13 +69,15 @@ def bench(url: str, model: str, concurrency: list[int], *, workload: str, num_pr
 
 
 def compare(model: str, dtype: str, concurrency: list[int], *, num_prompts: int, rounds: int, workload: str,
-            seed: int, vllm_env: Path | None) -> list[TierComparison]:
+            seed: int, vllm_env: Path | None, vllm_dtype: str | None = None) -> list[TierComparison]:
+    """`dtype` is qtool serve's; vLLM's is `vllm_dtype` where given (vLLM CPU runs 4-bit checkpoints only in
+    bfloat16, while the engine's INT4 kernels take fp32 activations: each engine in its best dtype)."""
     env = ensure_env(vllm_env)
     tiers = {c: TierComparison(c) for c in concurrency}
     cores = f"0-{(os.cpu_count() or 1) - 1}"
     with tempfile.TemporaryDirectory() as tmp, \
             server_process(model, EngineConfig(dtype=dtype)) as ours, \
-            vllm_server(env, model, dtype=dtype, served_model_name="vllm", max_model_len=4096,
+            vllm_server(env, model, dtype=vllm_dtype or dtype, served_model_name="vllm", max_model_len=4096,
                         omp_threads_bind=cores, extra_args=["--enforce-eager"]) as theirs:
         our_name = httpx.get(f"{ours}/v1/models", timeout=30).json()["data"][0]["id"]
         servers = {"qtool": (ours, our_name), "vllm": (theirs.url, "vllm")}
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qtoolkit.peers.engine_vs_vllm", description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--model", default="default")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="qtool serve's (and vLLM's)")
+    p.add_argument("--vllm-dtype", default=None, choices=["float32", "bfloat16"], help="vLLM's, where it differs")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
@@ -119,12 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     try:
         tiers = compare(a.model, a.dtype, concurrency, num_prompts=a.num_prompts, rounds=a.rounds,
-                        workload=a.workload, seed=a.seed, vllm_env=a.vllm_env)
+                        workload=a.workload, seed=a.seed, vllm_env=a.vllm_env, vllm_dtype=a.vllm_dtype)
     except (QToolError, subprocess.TimeoutExpired) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     write_json(a.output, {"command": "python -m qtoolkit.peers.engine_vs_vllm " + " ".join(argv or sys.argv[1:]),
-                          **provenance(model=a.model, dtype=a.dtype, workload=a.workload),
+                          **provenance(model=a.model, dtype=a.dtype, vllm_dtype=a.vllm_dtype or a.dtype,
+                                       workload=a.workload),
                           "seconds": round(time.monotonic() - start, 1), "quotient": "qtool serve / vLLM",
                           "tiers": [asdict(t) for t in tiers]})
     for t in tiers:
