@@ -9,7 +9,6 @@ a gate resting on it has `state="not measurable"` (and `passed=False`, so it can
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -33,7 +32,7 @@ from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
 from .sequential import describe, draw_until_decisive
-from .steps import SignoffConfig, StepRunner
+from .steps import SignoffConfig, StepRunner, load_output
 from .verdict import DeploymentSection, Evidence, NotMeasurable, decide
 
 STEPS = ("checkpoint", "eval", "bench")
@@ -170,10 +169,6 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
     return steps.run("eval", inputs, out / "eval.json", do_eval)
 
 
-def _load(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def judge_deployment(cfg: SignoffConfig, policy: Policy, evals: EvalResults | None, table: dict[str, Any] | None,
            quant: QuantizeReport | None) -> tuple[list[Gate], list[NotMeasurable]]:
     """The gates, those the endpoints cannot give marked `not measurable` (INCONCLUSIVE, never passed), and
@@ -199,10 +194,10 @@ def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, Endpo
     out = Path(cfg.output)
     steps = {n: results.get(n, {}) for n in STEPS}
     evals = EvalResults.load(out / "eval.json") if steps["eval"].get("status") == "ok" else None
-    bench = _load(out / "bench.json") if steps["bench"].get("status") == "ok" else None
+    bench = load_output(out / "bench.json") if steps["bench"].get("status") == "ok" else None
     table = throughput_table(bench) if bench else None
     gates, not_measurable = judge_deployment(cfg, policy, evals, table, quant)
-    evidence = Evidence(steps, gates, evals, _load(out / "sequential.json"), quant)
+    evidence = Evidence(steps, gates, evals, load_output(out / "sequential.json"), quant)
     deployment = DeploymentSection({r: asdict(i) for r, i in infos.items()}, table, not_measurable)
     # the recipe the served checkpoint was made with, as its quantize_report.json says
     config = {**asdict(cfg), "recipe": cfg.recipe or (quant.recipe.name if quant else None)}

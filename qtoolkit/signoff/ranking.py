@@ -21,7 +21,7 @@ from . import gates as verdicts
 from .family import NAME as FAMILY_METHOD
 from .judge import Gate
 from .policy import Policy
-from .report import _cell, _fmt, _png, html_report
+from .report import fmt, html_report, png, table_cell
 from .speed import speed_limit
 from .steps import SignoffConfig
 
@@ -60,7 +60,8 @@ def limit_fraction(g: Gate, policy: Policy) -> float | None:
     if g.task == "memory":
         limit = getattr(policy.memory, g.metric, None)
         return g.judged / limit if limit else None
-    bound = (policy.tasks.get(g.task) or policy.tasks.get("custom") or {}).get(g.metric)
+    bounds = policy.tasks.get(g.task) or policy.tasks.get("custom")  # a workload file's task: the custom bounds
+    bound = bounds.get(g.metric) if bounds else None
     if bound is None:
         return None
     if bound.max is not None and bound.max > 0:
@@ -102,7 +103,7 @@ def recommendation(rows: list[Row]) -> tuple[str | None, str, int]:
     if ship:
         r = ship[0]
         return r.name, (f"ship `{r.name}`: the cheapest candidate that passes every gate (linear weights "
-                        f"{_fmt(r.linear_ratio, 3)}x of bf16{_speed(r)}; judged at {r.family_alpha:.2%} of the 5% "
+                        f"{fmt(r.linear_ratio, 3)}x of bf16{_speed(r)}; judged at {r.family_alpha:.2%} of the 5% "
                         "family-wise error)"), 0
     alone = [r for r in rows if r.verdict == verdicts.PASS]
     judged = [r for r in rows if r.verdict != verdicts.ERROR]
@@ -130,11 +131,11 @@ def _speed(r: Row) -> str:
     if not r.throughput:
         return ""
     ci = r.throughput.get("ci")
-    ci_text = f" [{_fmt(ci[0], 3)}, {_fmt(ci[1], 3)}]" if ci else ""
+    ci_text = f" [{fmt(ci[0], 3)}, {fmt(ci[1], 3)}]" if ci else ""
     if r.throughput.get("what") == "decode":  # the speed gates' figure: per-stream decode, same serving config
-        return (f", decodes {_fmt(r.throughput.get('ratio'), 3)}x{ci_text} as fast per stream at "
+        return (f", decodes {fmt(r.throughput.get('ratio'), 3)}x{ci_text} as fast per stream at "
                 f"c={r.throughput.get('concurrency')}")
-    return f", full stack {_fmt(r.throughput.get('ratio'), 3)}x{ci_text} the baseline's throughput"
+    return f", full stack {fmt(r.throughput.get('ratio'), 3)}x{ci_text} the baseline's throughput"
 
 
 def pareto_plot(rows: list[Row]) -> str | None:
@@ -154,7 +155,7 @@ def pareto_plot(rows: list[Row]) -> str | None:
     ax.set_xlabel("linear weight bytes / bf16 (cost)")
     ax.set_ylabel("worst quality gate: CI end / its limit")
     ax.set_title("candidates: cost against quality (1 = on the limit; x = does not pass)")
-    return _png(fig)
+    return png(fig)
 
 
 def _markdown(data: dict[str, Any], rows: list[Row]) -> str:
@@ -164,9 +165,9 @@ def _markdown(data: dict[str, Any], rows: list[Row]) -> str:
     for i, r in enumerate(ranked(rows), 1):
         tp = (_speed(r).removeprefix(", full stack ").removesuffix(" the baseline's throughput")
               .removeprefix(", decodes ") or "-")
-        lines.append(f"| {i} | `{_cell(r.name)}` | {r.verdict} | {r.family_verdict} at {r.family_alpha:.2%} | "
-                     f"{_fmt(r.linear_ratio, 3)} | {_cell(tp)} | {_cell(r.worst_gate or '-')} | "
-                     f"{_fmt(r.worst_fraction, 3)} |")
+        lines.append(f"| {i} | `{table_cell(r.name)}` | {r.verdict} | {r.family_verdict} at {r.family_alpha:.2%} | "
+                     f"{fmt(r.linear_ratio, 3)} | {table_cell(tp)} | {table_cell(r.worst_gate or '-')} | "
+                     f"{fmt(r.worst_fraction, 3)} |")
     lines += ["", f"Family-wise error: {FAMILY_METHOD}. A candidate's verdict is its single sign-off's (gates at 95%); "
               "the recommendation reads the same evidence again at the candidate's share, so the chance that any "
               "false PASS reaches it is at most 5% (simulated with three candidates on the bound: "
@@ -179,7 +180,7 @@ def _markdown(data: dict[str, Any], rows: list[Row]) -> str:
               "processes at its peak.", ""]
     for r in rows:
         if r.error:
-            lines.append(f"- `{r.name}` could not be judged: {_cell(r.error)}")
+            lines.append(f"- `{r.name}` could not be judged: {table_cell(r.error)}")
     for r in rows:
         md = Path(r.folder) / "report.md"
         if r.folder and md.is_file():  # the candidate's own report, its headings one level down

@@ -44,12 +44,12 @@ def _verdict(g: Gate) -> str:
     return "no evidence" + ("" if g.required else " (not required)") if v == "NO EVIDENCE" else v
 
 
-def _cell(v: Any) -> str:
+def table_cell(v: Any) -> str:
     """Text for a Markdown table cell: a `|` would end the cell and a newline the row."""
     return str(v).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
 
 
-def _fmt(v: Any, digits: int = 4) -> str:
+def fmt(v: Any, digits: int = 4) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -58,7 +58,7 @@ def _fmt(v: Any, digits: int = 4) -> str:
 
 
 # ---- plots ---------------------------------------------------------------------------------------------------
-def _png(fig: Figure) -> str:
+def png(fig: Figure) -> str:
     """A figure as base64 PNG; figures are built without pyplot, so no GUI backend and no global state."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
@@ -84,7 +84,7 @@ def plot_throughput(report: dict[str, Any]) -> str | None:
     ax.set_title("Throughput per ablation step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 def plot_quality(gates: list[Gate], policy: Policy) -> str | None:
@@ -106,7 +106,7 @@ def plot_quality(gates: list[Gate], policy: Policy) -> str | None:
         ax.grid(axis="x", alpha=0.3)
     axes[0, 0].set_title("Quality: point estimate to the judged CI bound, dashed = policy limit")
     fig.tight_layout()
-    return _png(fig)
+    return png(fig)
 
 
 def plot_kld(eval_records: dict[str, list[float]]) -> str | None:
@@ -122,7 +122,7 @@ def plot_kld(eval_records: dict[str, list[float]]) -> str | None:
     ax.set_ylabel("tokens")
     ax.set_title("KLD of candidate vs baseline next-token distributions")
     ax.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 def plot_memory(report: dict[str, Any]) -> str | None:
@@ -139,7 +139,7 @@ def plot_memory(report: dict[str, Any]) -> str | None:
     ax.bar_label(bars, fmt="%.1f MiB", fontsize=8)
     ax.set_xlabel("Linear-layer weight bytes (MiB)")
     ax.set_title("Memory: weights of the quantized layers")
-    return _png(fig)
+    return png(fig)
 
 
 def plot_roofline(report: dict[str, Any]) -> str | None:
@@ -162,7 +162,7 @@ def plot_roofline(report: dict[str, Any]) -> str | None:
     ax.set_title(f"Roofline on this machine: bottleneck = {d.bottleneck}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
-    return _png(fig)
+    return png(fig)
 
 
 def kld_values(folder: Path) -> dict[str, list[float]]:
@@ -201,42 +201,44 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"# Release sign-off: {report['verdict']}", "",
              f"Model `{cfg['model']}` with recipe `{cfg['recipe']}` under policy `{report['policy']['name']}` "
              f"({report['created']}).", ""]
-    speed = (report.get("ablation") or {}).get("speed") or {}
-    lines += speed_answer([SpeedRatio.from_json(f) for f in speed.get("figures") or []], speed.get("pair"))
+    ablation = report.get("ablation")
+    speed = ablation.get("speed") if ablation else None
+    lines += speed_answer([SpeedRatio.from_json(f) for f in speed["figures"]] if speed else [],
+                          speed["pair"] if speed else None)
     if report["reasons"]:
         why = {"FAIL": "Why it fails", "INCONCLUSIVE": "Why it is inconclusive"}.get(report["verdict"], "Why")
         lines += [f"## {why}", ""] + [f"- {r}" for r in report["reasons"]] + [""]
     lines += ["## Gates", "", "| gate | result | point | judged (CI bound) | detail | could detect |",
               "|---|---|---|---|---|---|"]
-    lines += [f"| {g.name} | {_verdict(g)} | {_fmt(g.point)} | {_fmt(g.judged)} | {_cell(g.detail)} | "
-              f"{_cell(g.resolution)}{_method_cell(g)} |"
+    lines += [f"| {g.name} | {_verdict(g)} | {fmt(g.point)} | {fmt(g.judged)} | {table_cell(g.detail)} | "
+              f"{table_cell(g.resolution)}{_method_cell(g)} |"
               for g in map(Gate.from_json, report["gates"])]
     if report.get("reading"):
         lines += ["", "## How to read this verdict", ""] + [f"- {n}" for n in report["reading"]]
     lines += ["", "## Steps", "", "| step | status | seconds | note |", "|---|---|---|---|"]
     for name, s in report["steps"].items():
         note = s.get("error") or s.get("reason") or ("reused" if s.get("skipped") else "")
-        lines.append(f"| {name} | {s.get('status')} | {_fmt(s.get('seconds'))} | {_cell(note)} |")
+        lines.append(f"| {name} | {s.get('status')} | {fmt(s.get('seconds'))} | {table_cell(note)} |")
     lines += deployment_lines(report)  # endpoints, their bench tiers, what they cannot give (deployment sign-off)
     ab = report.get("ablation")
     if ab:
         lines += ["", "## Ablation: output tok/s per layer (marginal gain over the layer above)", ""]
         for tier in ab["tiers"]:
             alone = ", ".join(f"{k} {v:.2f}x" for k, v in tier["alone_speedup"].items()) or "-"
-            lines.append(f"**concurrency {tier['concurrency']}** — stacked {_fmt(tier['total_speedup'], 3)}x; "
+            lines.append(f"**concurrency {tier['concurrency']}** — stacked {fmt(tier['total_speedup'], 3)}x; "
                          f"each layer alone over the baseline: {alone}; stacking efficiency "
-                         f"{_fmt(tier.get('stacking_efficiency'), 3)} (1 = the layers compound, < 1 = they overlap)")
+                         f"{fmt(tier.get('stacking_efficiency'), 3)} (1 = the layers compound, < 1 = they overlap)")
             lines += ["", "| layer | tok/s | marginal |", "|---|---|---|"]
-            lines += [f"| {s['label']} | {s['output_tok_per_s']:.1f} | {_fmt(s['marginal_gain'], 3)} |"
+            lines += [f"| {s['label']} | {s['output_tok_per_s']:.1f} | {fmt(s['marginal_gain'], 3)} |"
                       for s in tier["steps"]]
             lines.append("")
             for key, what in (("total_speedup", "full stack"), ("quantization_speedup", "quantization alone")):
                 r = RoundsRatio.from_json(tier.get(f"{key}_rounds"))
                 if r is not None:
                     b = r.ci.bounds
-                    ci = f"95% CI [{_fmt(b[0], 3)}, {_fmt(b[1], 3)}]" if b is not None else "no CI"
+                    ci = f"95% CI [{fmt(b[0], 3)}, {fmt(b[1], 3)}]" if b is not None else "no CI"
                     per = ", ".join(f"{v:.3f}" for v in r.per_round)
-                    lines += [f"Repeated rounds, {what} over the baseline: {_fmt(r.ratio, 3)}x, {ci} over "
+                    lines += [f"Repeated rounds, {what} over the baseline: {fmt(r.ratio, 3)}x, {ci} over "
                               f"{r.rounds} rounds of fresh requests (per round: {per}).", ""]
     lines += kv_layer_lines(report.get("kv_layer"))
     # the report's eval section has eval.json's layout per task (items, summary)
@@ -272,14 +274,14 @@ def kv_layer_lines(layer: dict[str, Any] | None) -> list[str]:
              "| KV cache | tokens that fit | preemptions | output tok/s |", "|---|---|---|---|"]
     for name in (base, quant):
         lines.append(f"| {name.removeprefix('kv_')} | {row.capacity_tokens.get(name, '-')} | "
-                     f"{_fmt(row.preemptions.get(name))} | {_fmt(row.output_tok_per_s.get(name), 4)} |")
-    lines += ["", f"Tokens that fit: {_fmt(row.capacity_ratio, 3)}x; output tok/s: "
-              f"{_fmt(row.throughput_ratio, 3)}x in the tier's own measurement."]
+                     f"{fmt(row.preemptions.get(name))} | {fmt(row.output_tok_per_s.get(name), 4)} |")
+    lines += ["", f"Tokens that fit: {fmt(row.capacity_ratio, 3)}x; output tok/s: "
+              f"{fmt(row.throughput_ratio, 3)}x in the tier's own measurement."]
     r = RoundsRatio.from_json(row.throughput_ratio_rounds)
     if r is not None:
         b = r.ci.bounds
-        ci = f"95% CI [{_fmt(b[0], 3)}, {_fmt(b[1], 3)}]" if b is not None else "no CI"
-        lines.append(f"Over {r.rounds} interleaved rounds of fresh requests: {_fmt(r.ratio, 3)}x, {ci} (per round: "
+        ci = f"95% CI [{fmt(b[0], 3)}, {fmt(b[1], 3)}]" if b is not None else "no CI"
+        lines.append(f"Over {r.rounds} interleaved rounds of fresh requests: {fmt(r.ratio, 3)}x, {ci} (per round: "
                      f"{', '.join(f'{v:.3f}' for v in r.per_round)}).")
     return lines + [""]
 
@@ -297,14 +299,14 @@ def quality_lines(evals: EvalResults, level_at: Callable[[int | None], float] = 
                   "|---|---|---|---|---|"]
         for k, d in s.deltas().items():
             lo, hi = d.ci.bounds or (None, None)
-            lines.append(f"| {k} | {_fmt(d.candidate)} | {_fmt(d.baseline)} | {_fmt(d.delta)} | "
-                         f"[{_fmt(lo)}, {_fmt(hi)}] |")
+            lines.append(f"| {k} | {fmt(d.candidate)} | {fmt(d.baseline)} | {fmt(d.delta)} | "
+                         f"[{fmt(lo)}, {fmt(hi)}] |")
         ts = s.text_stats
         for k in ("kld", "ppl_ratio", "same_top1", "delta_p"):
             t = None if ts is None else ts.figure(k)
             if t is not None:
                 lo, hi = t.ci.bounds or (None, None)
-                lines.append(f"| {k} | {_fmt(t.mean)} ± {_fmt(t.se, 2)} | | | [{_fmt(lo)}, {_fmt(hi)}] |")
+                lines.append(f"| {k} | {fmt(t.mean)} ± {fmt(t.se, 2)} | | | [{fmt(lo)}, {fmt(hi)}] |")
         lines.append("")
     return lines
 
@@ -331,7 +333,7 @@ def custom_regression_lines(evals: EvalResults) -> list[str]:
             p = x.get("passed")
             passed = "-" if p is None else "/".join("pass" if p[k] else "fail" for k in ("candidate", "baseline"))
             lines.append(f"| {x['line']} | {cell(x['id'])} | {x['kind']} | {cell(x['prompt'])} | {passed} | "
-                         f"{_fmt(x['rougeL_drop'])} | {_fmt(x['kld_mean'])} | {_fmt(x['nll_delta'])} | "
+                         f"{fmt(x['rougeL_drop'])} | {fmt(x['kld_mean'])} | {fmt(x['nll_delta'])} | "
                          f"{x['tokens']['candidate']}/{x['tokens']['baseline']} | {cell(x['candidate'])} | "
                          f"{cell(x['baseline'])} |")
         lines.append("")

@@ -7,7 +7,6 @@ and the verdict can then only be FAIL.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,19 +36,15 @@ from .error_spending import plan
 from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
-from .sequential import describe, describe_design, draw_until_decisive
+from .sequential import describe, describe_design, draw_until_decisive, planned_items
 from .speed import round_looks, speed_ratios, undecided
-from .steps import STEPS, SignoffConfig, StepRunner
+from .steps import STEPS, SignoffConfig, StepRunner, load_output
 from .verdict import Evidence, decide
 
 __all__ = ["Gate", "SignoffConfig", "evaluate_gates", "signoff"]
 
 
-def _load(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _check(cfg: SignoffConfig) -> Policy:
+def check_config(cfg: SignoffConfig) -> Policy:
     """Bad input is an error (exit 2) before any work; the policy it names, loaded."""
     if cfg.limit <= 0:
         raise QToolError(f"--limit must be a positive number of items, got {cfg.limit}")
@@ -79,7 +74,7 @@ def _refuse_sweep_candidate(out: Path) -> None:
                          "--output")
 
 
-def _check_speculative(speculative: str | None, source: ModelSource) -> None:
+def check_speculative(speculative: str | None, source: ModelSource) -> None:
     """A bad --speculative (or an EAGLE-3 head that does not fit the model) fails here, before any work, not at
     the bench step after quantization and evals."""
     spec = EngineConfig(speculative=speculative).speculative_spec
@@ -92,7 +87,7 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     """Run every step (or reuse it), decide, and write report.{json,md,html} into cfg.output."""
     if cfg.candidate_endpoint or cfg.baseline_endpoint:
         return signoff_deployments(cfg)
-    policy = _check(cfg)
+    policy = check_config(cfg)
     out = Path(cfg.output)
     _refuse_sweep_candidate(out)
     if cfg.rejudge:
@@ -100,19 +95,19 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     recipe = load_recipe(cfg.recipe)
     source = resolve_model(cfg.model)
     check_source(source)  # a GGUF read wrong decodes to garbage: refused before anything is signed off
-    _check_speculative(cfg.speculative, source)
+    check_speculative(cfg.speculative, source)
     out.mkdir(parents=True, exist_ok=True)
-    run = _Run(cfg, policy, recipe, source, out, StepRunner(out))
+    run = SignoffRun(cfg, policy, recipe, source, out, StepRunner(out))
     try:
         run.steps()
-        return _decide(cfg, policy, {"name": recipe.name, "sha256": recipe.sha256}, source.describe(), out,
+        return decide_and_write(cfg, policy, {"name": recipe.name, "sha256": recipe.sha256}, source.describe(), out,
                        run.results, run.quant)
     finally:
         run.runner.lock.release()  # the folder is free again for the next run in this process
 
 
 @dataclass
-class _Run:
+class SignoffRun:
     """One sign-off's steps, in order: each runs (or is reused) through the StepRunner."""
 
     cfg: SignoffConfig
@@ -271,15 +266,15 @@ def _rejudge(cfg: SignoffConfig, policy: Policy, out: Path) -> dict[str, Any]:
     ckpt_report = out / "checkpoint" / "quantize_report.json"
     quant = QuantizeReport.load(ckpt_report) if results["quantize"]["status"] == "ok" else None
     recipe = quant.recipe.to_json() if quant else {"name": cfg.recipe, "sha256": None}
-    evals, sequential = None, _load(out / "sequential.json")
+    evals, sequential = None, load_output(out / "sequential.json")
     if results["eval"].get("status") == "ok":
         _check_rejudge_data(EvalResults.load(out / "eval.json"), cfg.data)
-        planned = ((sequential or {}).get("design") or {}).get("planned_items") or [cfg.limit]
+        planned = planned_items(sequential) or [cfg.limit]
         design = plan(planned)
         evals = resummarize(out / "eval.json", design.level_at, len(design.items), cfg.task_options())
         if sequential is not None:
             sequential = describe_design(sequential, design)
-    return _decide(cfg, policy, recipe, {"spec": cfg.model}, out, results, quant, evals=evals,
+    return decide_and_write(cfg, policy, recipe, {"spec": cfg.model}, out, results, quant, evals=evals,
                    sequential=sequential)
 
 
@@ -296,21 +291,21 @@ def _check_rejudge_data(evals: EvalResults, data: list[str]) -> None:
                          "--rejudge judges only what the run measured")
 
 
-def _decide(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: dict[str, Any], out: Path,
+def decide_and_write(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: dict[str, Any], out: Path,
             results: dict[str, dict[str, Any]], quant: QuantizeReport | None, *, evals: EvalResults | None = None,
             sequential: dict[str, Any] | None = None) -> dict[str, Any]:
     steps = {n: results.get(n, {}) for n in STEPS}
     if evals is None and steps["eval"].get("status") == "ok":
         evals = EvalResults.load(out / "eval.json")
-    bench = _load(out / "bench.json") if steps["bench"].get("status") == "ok" else None
+    bench = load_output(out / "bench.json") if steps["bench"].get("status") == "ok" else None
     ablation = ablation_table(bench) if bench else None
     if ablation is not None and bench is not None and bench.get("speed_rounds"):  # the report's first lines
         ablation["speed"] = {"pair": bench["speed_rounds"]["pair"],
                              "figures": [f.to_json() for f in speed_ratios(bench, policy)]}
     gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, ablation, quant, bench)
-    kv = _load(out / "bench_kv.json") if bench else None
-    evidence = Evidence(steps, gates, evals, sequential or _load(out / "sequential.json"), quant, ablation,
-                        _load(out / "diagnose.json") if steps["diagnose"].get("status") == "ok" else None,
+    kv = load_output(out / "bench_kv.json") if bench else None
+    evidence = Evidence(steps, gates, evals, sequential or load_output(out / "sequential.json"), quant, ablation,
+                        load_output(out / "diagnose.json") if steps["diagnose"].get("status") == "ok" else None,
                         kv_layer=kv["layer"] | {"config": kv["config"]} if kv else None)
     report = decide(evidence, config=asdict(cfg), policy=policy, provenance=provenance(
         model=model, recipe=recipe, policy={"name": policy.name, "path": policy.source}))

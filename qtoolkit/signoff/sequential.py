@@ -71,6 +71,12 @@ def design_json(design: Design) -> dict[str, Any]:
             "levels": [round(c, 6) for c in design.levels], "alpha_spent": list(design.spent)}
 
 
+def planned_items(sequential: dict[str, Any] | None) -> list[int] | None:
+    """The looks' item counts a sequential.json planned; None for a run without one (or from before designs)."""
+    design = sequential.get("design") if sequential else None
+    return list(design["planned_items"]) if design and design.get("planned_items") else None
+
+
 def describe_design(sequential: dict[str, Any], design: Design) -> dict[str, Any]:
     """sequential.json with its design as this code spends it (--rejudge re-judges every look's task at it)."""
     return {**sequential, "design": design_json(design), "error_rate_bound": ALPHA}

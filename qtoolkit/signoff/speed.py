@@ -105,9 +105,10 @@ class SpeedRatio:
 def bench_level(bench: dict[str, Any], alpha: float | None = None) -> tuple[float, int]:
     """(the level the speed gates judge at, rounds measured) from bench.json's speed_rounds: the level of the
     look the rounds stopped at; a bench without further looks: its own rounds at 1 - alpha."""
-    looks = bench.get("speed_rounds") or {}
-    planned = tuple(looks.get("looks") or ())
-    rounds = int(looks.get("rounds") or (bench.get("config") or {}).get("rounds") or 1)
+    looks = bench.get("speed_rounds")
+    planned = tuple(looks.get("looks") or ()) if looks else ()
+    config = bench.get("config")
+    rounds = int((looks.get("rounds") if looks else None) or (config.get("rounds") if config else None) or 1)
     design = speed_design(planned if planned else (rounds,), alpha)
     return design.level_at(rounds), rounds
 
@@ -115,7 +116,8 @@ def bench_level(bench: dict[str, Any], alpha: float | None = None) -> tuple[floa
 def speed_ratios(bench: dict[str, Any], policy: Policy, alpha: float | None = None) -> list[SpeedRatio]:
     """Every speed figure the policy gates, at every tier it names (every bench tier when it names none)."""
     level, _ = bench_level(bench, alpha)
-    pair = tuple((bench.get("speed_rounds") or {}).get("pair") or ())
+    looks = bench.get("speed_rounds")
+    pair = tuple(looks.get("pair") or ()) if looks else ()
     tiers = {t.concurrency: t for t in (TierRecord.from_json(x) for x in bench.get("tiers") or [])}
     # no bench (its step failed or was skipped): one gate per kind without a tier, never a silent absence
     wanted = policy.throughput.tiers or sorted(tiers) or [0]

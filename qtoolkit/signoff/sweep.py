@@ -38,8 +38,8 @@ from .family import FamilyJudgement, Rejudge, fallback, judge_at, look_levels
 from .judge import Gate, evaluate_gates
 from .policy import Policy, load_policy
 from .ranking import Row, worst_gate, write_sweep_reports
-from .run import _check, _check_speculative, _decide, _load, _Run
-from .steps import SignoffConfig, StepRunner
+from .run import SignoffRun, check_config, check_speculative, decide_and_write
+from .steps import SignoffConfig, StepRunner, load_output
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Candidate:
     name: str
     spec: str  # the recipe as given (a shipped name or a file)
     cfg: SignoffConfig
-    run: _Run | None = None
+    run: SignoffRun | None = None
     error: str | None = None  # what stopped it outside its steps (its steps record their own errors)
     report: dict[str, Any] | None = None
     family: FamilyJudgement | None = None
@@ -66,7 +66,7 @@ def recipe_list(spec: str) -> list[str]:
 
 def signoff_sweep(cfg: SignoffConfig) -> dict[str, Any]:
     """Every candidate's sign-off, the family-wise reading and the ranked report in cfg.output."""
-    policy = _check(cfg)
+    policy = check_config(cfg)
     specs = recipe_list(cfg.recipe)
     recipes = [load_recipe(s) for s in specs]  # an unknown recipe is bad input: exit 2 before any work
     names = [r.name for r in recipes]
@@ -74,7 +74,7 @@ def signoff_sweep(cfg: SignoffConfig) -> dict[str, Any]:
         raise QToolError(f"--recipe names a recipe twice ({', '.join(names)}): list each candidate once")
     source = resolve_model(cfg.model)
     check_source(source)  # a GGUF read wrong decodes to garbage: refused before anything is signed off
-    _check_speculative(cfg.speculative, source)
+    check_speculative(cfg.speculative, source)
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     shared = StepRunner(out)  # one sweep per folder at a time
@@ -106,14 +106,14 @@ def row_of(c: Candidate, policy: Policy) -> Row:
     gates = [Gate.from_json(g) for g in report.get("gates") or []]
     name, frac = worst_gate(gates, policy)
     _, qfrac = worst_gate(gates, policy, quality_only=True)
-    quant = report.get("quantize") or {}
-    tiers = (report.get("ablation") or {}).get("tiers") or []
+    quant, ablation = report.get("quantize"), report.get("ablation")
+    tiers = ablation["tiers"] if ablation else []
     rounds = RoundsRatio.from_json(tiers[-1].get("total_speedup_rounds")) if tiers else None
-    speed = ((report.get("ablation") or {}).get("speed") or {}).get("figures") or []
+    speed = ablation["speed"]["figures"] if ablation and ablation.get("speed") else []
     decode = [f for f in speed if f["kind"] == "decode" and f.get("ratio") is not None]
     fam = c.family
     return Row(c.name, report.get("verdict", verdicts.ERROR), fam.verdict if fam else verdicts.ERROR,
-               fam.alpha if fam else 0.0, (quant.get("totals") or {}).get("linear_ratio_vs_bf16"),
+               fam.alpha if fam else 0.0, quant["totals"]["linear_ratio_vs_bf16"] if quant else None,
                # what a deployment buys: the top tier's decode speedup (TPOT) when the policy gates speed
                {"ratio": decode[-1]["ratio"], "ci": decode[-1]["ci"], "what": "decode",
                 "concurrency": decode[-1]["concurrency"]} if decode
@@ -134,7 +134,7 @@ def _guard(c: Candidate, fn: Callable[[], object]) -> None:
 
 def _start(c: Candidate, policy: Policy, recipe: Recipe, source: ModelSource) -> None:
     Path(c.cfg.output).mkdir(parents=True, exist_ok=True)
-    c.run = _Run(c.cfg, policy, recipe, source, c.folder, StepRunner(c.folder))
+    c.run = SignoffRun(c.cfg, policy, recipe, source, c.folder, StepRunner(c.folder))
     c.run.quality()
 
 
@@ -206,7 +206,7 @@ def _diagnose(cands: list[Candidate], shared: StepRunner, cfg: SignoffConfig, so
 def _report(c: Candidate, policy: Policy, source: ModelSource) -> None:
     assert c.run is not None and c.run.results is not None
     recipe = c.run.recipe
-    c.report = _decide(c.cfg, policy, {"name": recipe.name, "sha256": recipe.sha256}, source.describe(), c.folder,
+    c.report = decide_and_write(c.cfg, policy, {"name": recipe.name, "sha256": recipe.sha256}, source.describe(), c.folder,
                        c.run.results, c.run.quant)
 
 
@@ -246,7 +246,7 @@ def _local_judge(policy: Policy) -> JudgeAt:
 
 def _rejudge(c: Candidate, policy: Policy) -> Rejudge:
     def run(evals: EvalResults | None, level: float) -> list[Gate]:
-        bench = _load(c.folder / "bench.json")
+        bench = load_output(c.folder / "bench.json")
         ablation = ablation_table(bench) if bench else None  # its rounds' intervals at the context's level
         assert c.run is not None
         return evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals, ablation, c.run.quant,
@@ -301,7 +301,7 @@ def signoff_endpoint_sweep(cfg: SignoffConfig, pairs: list[tuple[str, str]]) -> 
 def _endpoint_judge(policy: Policy) -> JudgeAt:
     def judge(c: Candidate, alpha: float) -> FamilyJudgement:
         def rejudge(evals: EvalResults | None, level: float) -> list[Gate]:
-            bench = _load(c.folder / "bench.json")
+            bench = load_output(c.folder / "bench.json")
             return judge_deployment(c.cfg, policy, evals, throughput_table(bench) if bench else None, None)[0]
 
         levels = look_levels(c.cfg.limit, c.cfg.max_items, alpha)
