@@ -383,6 +383,11 @@ class AblationTable:
     tiers: list[AblationRow]
     systems: list[str] = field(default_factory=list)
 
+    @property
+    def top(self) -> AblationRow | None:
+        """The highest concurrency tier, where the older throughput gates judge."""
+        return self.tiers[-1] if self.tiers else None
+
     def to_json(self) -> dict[str, Any]:
         return {"tiers": [t.to_json() for t in self.tiers], "systems": list(self.systems)}
 
@@ -395,8 +400,3 @@ class AblationTable:
         """The table of a bench_ablation result (as written to bench.json)."""
         tiers = [AblationRow.from_tier(TierRecord.from_json(t)) for t in bench["tiers"]]
         return cls(tiers, list(bench["config"]["systems"]))
-
-
-def ablation_table(bench: dict[str, Any]) -> dict[str, Any]:
-    """The ablation table's JSON (what the sign-off's report and throughput gates read)."""
-    return AblationTable.from_bench(bench).to_json()

@@ -16,7 +16,7 @@ from typing import Any
 
 from qtoolkit.evals.runner import EvalConfig, evaluate
 
-from ..bench.deployment import bench_deployments, throughput_table
+from ..bench.deployment import ThroughputTable, bench_deployments, throughput_table
 from ..endpoints.deployment import Deployment, EndpointInfo, endpoint, probe
 from ..endpoints.identity import EndpointIdentity, fingerprint, settle
 from ..errors import QToolError
@@ -169,7 +169,7 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
     return steps.run("eval", inputs, out / "eval.json", do_eval)
 
 
-def judge_deployment(cfg: SignoffConfig, policy: Policy, evals: EvalResults | None, table: dict[str, Any] | None,
+def judge_deployment(cfg: SignoffConfig, policy: Policy, evals: EvalResults | None, table: ThroughputTable | None,
            quant: QuantizeReport | None) -> tuple[list[Gate], list[NotMeasurable]]:
     """The gates, those the endpoints cannot give marked `not measurable` (INCONCLUSIVE, never passed), and
     what the report lists as not measurable: the engine-only figures, the figures the endpoints could not score,
@@ -197,7 +197,7 @@ def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, Endpo
     bench = load_output(out / "bench.json") if steps["bench"].get("status") == "ok" else None
     table = throughput_table(bench) if bench else None
     gates, not_measurable = judge_deployment(cfg, policy, evals, table, quant)
-    evidence = Evidence(steps, gates, evals, load_output(out / "sequential.json"), quant)
+    evidence = Evidence(steps, gates, evals, load_output(out / "sequential.json"), quant.summary if quant else None)
     deployment = DeploymentSection({r: asdict(i) for r, i in infos.items()}, table, not_measurable)
     # the recipe the served checkpoint was made with, as its quantize_report.json says
     config = {**asdict(cfg), "recipe": cfg.recipe or (quant.recipe.name if quant else None)}

@@ -204,6 +204,6 @@ def write_sweep_reports(out: Path, cfg: SignoffConfig, policy: Policy, rows: lis
     md = _markdown(data, rows)
     write_json(out / "report.json", data)
     write_text(out / "report.md", md)
-    html = html_report({"verdict": "PASS" if name else verdict}, md, {"pareto": pareto_plot(rows)})
+    html = html_report("PASS" if name else verdict, md, {"pareto": pareto_plot(rows)})
     write_text(out / "report.html", html)
     return data

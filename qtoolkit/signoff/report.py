@@ -19,7 +19,7 @@ from markdown_it import MarkdownIt
 from markupsafe import Markup
 from matplotlib.figure import Figure
 
-from ..bench.kv_layer import KVLayerRow
+from ..bench.ablation import AblationTable
 from ..diagnose.result import DiagnoseResult
 from ..evals.results import EvalResults
 from ..evals.summary import RoundsRatio, TaskSummary
@@ -29,8 +29,8 @@ from .judge import Gate
 from .policy import Policy
 from .report_deployment import deployment_lines
 from .sequential import design_of
-from .speed import SpeedRatio, speed_answer
-from .verdict import SignoffReport
+from .speed import speed_answer
+from .verdict import KVLayerSection, SignoffReport
 
 _STATUS = {True: "PASS", False: "FAIL"}
 _COLORS = {"PASS": "#1a7f37", "FAIL": "#cf222e", "INCONCLUSIVE": "#9a6700"}
@@ -65,16 +65,15 @@ def png(fig: Figure) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def plot_throughput(report: dict[str, Any]) -> str | None:
-    ab = report.get("ablation")
-    if not ab or not ab["tiers"]:
+def plot_throughput(ablation: AblationTable | None) -> str | None:
+    if ablation is None or not ablation.tiers:
         return None
     fig = Figure(figsize=(6.5, 3.6))
     ax = fig.subplots()
     series: dict[str, list[tuple[int, float]]] = {}
-    for tier in ab["tiers"]:
-        for step in tier["steps"]:
-            series.setdefault(step["label"], []).append((tier["concurrency"], step["output_tok_per_s"]))
+    for tier in ablation.tiers:
+        for step in tier.steps:
+            series.setdefault(step.label, []).append((tier.concurrency, step.output_tok_per_s))
     for label, pts in series.items():
         xs, ys = zip(*pts, strict=True)
         ax.plot(xs, ys, marker="o", label=label)
@@ -125,11 +124,9 @@ def plot_kld(eval_records: dict[str, list[float]]) -> str | None:
     return png(fig)
 
 
-def plot_memory(report: dict[str, Any]) -> str | None:
-    q = report.get("quantize")
-    if not q:
+def plot_memory(s: QuantizeSummary | None) -> str | None:
+    if s is None:
         return None
-    s = QuantizeSummary.from_json(q)
     t = s.totals
     labels = ["source (fp32)", "bf16", f"{s.recipe.name}"]
     values = [t.linear_source_bytes / 2**20, t.linear_bf16_bytes / 2**20, t.linear_quantized_bytes / 2**20]
@@ -142,10 +139,9 @@ def plot_memory(report: dict[str, Any]) -> str | None:
     return png(fig)
 
 
-def plot_roofline(report: dict[str, Any]) -> str | None:
-    if not report.get("diagnose"):
+def plot_roofline(d: DiagnoseResult | None) -> str | None:
+    if d is None:
         return None
-    d = DiagnoseResult.from_json(report["diagnose"])
     fig = Figure(figsize=(6.5, 3.4))
     ax = fig.subplots()
     batches = [r.batch for r in d.decode]
@@ -196,77 +192,77 @@ def look_level(cfg: dict[str, Any], items: int | None) -> float:
 
 
 # ---- text ----------------------------------------------------------------------------------------------------
-def markdown(report: dict[str, Any]) -> str:
-    cfg = report["config"]
-    lines = [f"# Release sign-off: {report['verdict']}", "",
-             f"Model `{cfg['model']}` with recipe `{cfg['recipe']}` under policy `{report['policy']['name']}` "
-             f"({report['created']}).", ""]
-    ablation = report.get("ablation")
-    speed = ablation.get("speed") if ablation else None
-    lines += speed_answer([SpeedRatio.from_json(f) for f in speed["figures"]] if speed else [],
-                          speed["pair"] if speed else None)
-    if report["reasons"]:
-        why = {"FAIL": "Why it fails", "INCONCLUSIVE": "Why it is inconclusive"}.get(report["verdict"], "Why")
-        lines += [f"## {why}", ""] + [f"- {r}" for r in report["reasons"]] + [""]
+def markdown(report: SignoffReport) -> str:
+    """report.md: the verdict and why, the gates, the steps, then each section the evidence holds."""
+    cfg, ev = report.config, report.evidence
+    lines = [f"# Release sign-off: {report.verdict}", "",
+             f"Model `{cfg['model']}` with recipe `{cfg['recipe']}` under policy `{report.policy.name}` "
+             f"({report.provenance.get('created')}).", ""]
+    lines += speed_answer(ev.speed.figures if ev.speed else [], ev.speed.pair if ev.speed else None)
+    if report.reasons:
+        why = {"FAIL": "Why it fails", "INCONCLUSIVE": "Why it is inconclusive"}.get(report.verdict, "Why")
+        lines += [f"## {why}", ""] + [f"- {r}" for r in report.reasons] + [""]
     lines += ["## Gates", "", "| gate | result | point | judged (CI bound) | detail | could detect |",
               "|---|---|---|---|---|---|"]
     lines += [f"| {g.name} | {_verdict(g)} | {fmt(g.point)} | {fmt(g.judged)} | {table_cell(g.detail)} | "
-              f"{table_cell(g.resolution)}{_method_cell(g)} |"
-              for g in map(Gate.from_json, report["gates"])]
-    if report.get("reading"):
-        lines += ["", "## How to read this verdict", ""] + [f"- {n}" for n in report["reading"]]
+              f"{table_cell(g.resolution)}{_method_cell(g)} |" for g in report.gates]
+    if report.reading:
+        lines += ["", "## How to read this verdict", ""] + [f"- {n}" for n in report.reading]
     lines += ["", "## Steps", "", "| step | status | seconds | note |", "|---|---|---|---|"]
-    for name, s in report["steps"].items():
+    for name, s in ev.steps.items():  # steps.json's entries
         note = s.get("error") or s.get("reason") or ("reused" if s.get("skipped") else "")
         lines.append(f"| {name} | {s.get('status')} | {fmt(s.get('seconds'))} | {table_cell(note)} |")
-    lines += deployment_lines(report)  # endpoints, their bench tiers, what they cannot give (deployment sign-off)
-    ab = report.get("ablation")
-    if ab:
-        lines += ["", "## Ablation: output tok/s per layer (marginal gain over the layer above)", ""]
-        for tier in ab["tiers"]:
-            alone = ", ".join(f"{k} {v:.2f}x" for k, v in tier["alone_speedup"].items()) or "-"
-            lines.append(f"**concurrency {tier['concurrency']}** — stacked {fmt(tier['total_speedup'], 3)}x; "
-                         f"each layer alone over the baseline: {alone}; stacking efficiency "
-                         f"{fmt(tier.get('stacking_efficiency'), 3)} (1 = the layers compound, < 1 = they overlap)")
-            lines += ["", "| layer | tok/s | marginal |", "|---|---|---|"]
-            lines += [f"| {s['label']} | {s['output_tok_per_s']:.1f} | {fmt(s['marginal_gain'], 3)} |"
-                      for s in tier["steps"]]
-            lines.append("")
-            for key, what in (("total_speedup", "full stack"), ("quantization_speedup", "quantization alone")):
-                r = RoundsRatio.from_json(tier.get(f"{key}_rounds"))
-                if r is not None:
-                    b = r.ci.bounds
-                    ci = f"95% CI [{fmt(b[0], 3)}, {fmt(b[1], 3)}]" if b is not None else "no CI"
-                    per = ", ".join(f"{v:.3f}" for v in r.per_round)
-                    lines += [f"Repeated rounds, {what} over the baseline: {fmt(r.ratio, 3)}x, {ci} over "
-                              f"{r.rounds} rounds of fresh requests (per round: {per}).", ""]
-    lines += kv_layer_lines(report.get("kv_layer"))
-    # the report's eval section has eval.json's layout per task (items, summary)
-    evals = EvalResults.from_json({"tasks": report.get("eval") or {}})
+    lines += deployment_lines(report.deployment)  # endpoints, their bench tiers, what they cannot give
+    lines += ablation_lines(ev.ablation) + kv_layer_lines(ev.kv_layer)
+    evals = ev.evals or EvalResults({})
     lines += quality_lines(evals, lambda items: look_level(cfg, items)) + custom_regression_lines(evals)
-    q = report.get("quantize")
-    if q:
-        t = QuantizeSummary.from_json(q).totals
+    if ev.quant is not None:
+        t = ev.quant.totals
         lines += ["## Memory", "", f"Linear weights: {t.linear_quantized_bytes / 2**20:.1f} MiB quantized vs "
                   f"{t.linear_bf16_bytes / 2**20:.1f} MiB in bf16 ({t.linear_ratio_vs_bf16}x); checkpoint "
                   f"{t.checkpoint_bytes / 2**20:.1f} MiB (source {t.source_checkpoint_bytes / 2**20:.1f} MiB).", ""]
-    if report.get("diagnose"):
-        d = DiagnoseResult.from_json(report["diagnose"])
+    d = ev.diagnose
+    if d is not None:
         lines += ["## Bottleneck", "", f"**{d.bottleneck}** — bandwidth "
                   f"{d.machine_ceilings.memory_bandwidth_gb_s} GB/s, fp32 GEMM "
                   f"{d.machine_ceilings.fp32_gemm_gflop_s} GFLOP/s.", ""]
         lines += [f"{i}. {lever}" for i, lever in enumerate(d.levers, 1)] + [""]
-    lines += ["## Provenance", "", "```json", json.dumps({k: report[k] for k in ("inputs", "versions", "machine")},
-                                                        indent=2), "```", ""]
+    provenance = {k: report.provenance.get(k) for k in ("inputs", "versions", "machine")}
+    lines += ["## Provenance", "", "```json", json.dumps(provenance, indent=2), "```", ""]
     return "\n".join(lines)
 
 
-def kv_layer_lines(layer: dict[str, Any] | None) -> list[str]:
+def ablation_lines(ablation: AblationTable | None) -> list[str]:
+    """Per tier: each stacked layer's tok/s and marginal gain, each layer alone, and the repeated rounds."""
+    if ablation is None:
+        return []
+    lines = ["", "## Ablation: output tok/s per layer (marginal gain over the layer above)", ""]
+    for tier in ablation.tiers:
+        alone = ", ".join(f"{k} {v:.2f}x" for k, v in tier.alone_speedup.items()) or "-"
+        lines.append(f"**concurrency {tier.concurrency}** — stacked {fmt(tier.total_speedup, 3)}x; "
+                     f"each layer alone over the baseline: {alone}; stacking efficiency "
+                     f"{fmt(tier.stacking_efficiency, 3)} (1 = the layers compound, < 1 = they overlap)")
+        lines += ["", "| layer | tok/s | marginal |", "|---|---|---|"]
+        lines += [f"| {s.label} | {s.output_tok_per_s:.1f} | {fmt(s.marginal_gain, 3)} |" for s in tier.steps]
+        lines.append("")
+        for rounds, what in ((tier.total_speedup_rounds, "full stack"),
+                             (tier.quantization_speedup_rounds, "quantization alone")):
+            r = RoundsRatio.from_json(rounds)
+            if r is not None:
+                b = r.ci.bounds
+                ci = f"95% CI [{fmt(b[0], 3)}, {fmt(b[1], 3)}]" if b is not None else "no CI"
+                per = ", ".join(f"{v:.3f}" for v in r.per_round)
+                lines += [f"Repeated rounds, {what} over the baseline: {fmt(r.ratio, 3)}x, {ci} over "
+                          f"{r.rounds} rounds of fresh requests (per round: {per}).", ""]
+    return lines
+
+
+def kv_layer_lines(layer: KVLayerSection | None) -> list[str]:
     """The ablation's KV cache layer: the candidate with the unquantized and the quantized cache at one budget
     where the unquantized cache is the limit (bench_kv.json)."""
-    if not layer:
+    if layer is None:
         return []
-    row, cfg = KVLayerRow.from_json(layer), layer.get("config") or {}
+    row, cfg = layer.row, layer.config
     base, quant = "kv_auto", f"kv_{row.kv_cache_dtype}"
     lines = ["", f"## Ablation: KV cache layer ({row.kv_cache_dtype} vs the unquantized cache)", "",
              f"The candidate at concurrency {cfg.get('concurrency')} on the `{cfg.get('workload')}` workload, "
@@ -366,10 +362,10 @@ def _md_to_html(md: str) -> str:
     return _MD.render(md)
 
 
-def html_report(report: dict[str, Any], md: str, plots: dict[str, str | None]) -> str:
+def html_report(verdict: str, md: str, plots: dict[str, str | None]) -> str:
     body = _md_to_html(md)
     head, _, rest = body.partition("</h1>")  # the plots sit under the verdict heading
-    return _TEMPLATE.render(verdict=report["verdict"], color=_COLORS.get(report["verdict"], "#cf222e"),
+    return _TEMPLATE.render(verdict=verdict, color=_COLORS.get(verdict, "#cf222e"),
                             head=Markup(head + "</h1>" if rest else head),
                             rest=Markup(rest),
                             plots=[(name, data) for name, data in plots.items() if data])
@@ -377,12 +373,12 @@ def html_report(report: dict[str, Any], md: str, plots: dict[str, str | None]) -
 
 def write_reports(folder: Path, signoff: SignoffReport) -> dict[str, Any]:
     """Write report.json, report.md and report.html; returns what report.json holds."""
-    report = signoff.to_json()
-    plots = {"throughput": plot_throughput(report), "quality": plot_quality(signoff.gates, signoff.policy),
-             "kld": plot_kld(kld_values(folder)), "memory": plot_memory(report), "roofline": plot_roofline(report)}
-    report["plots"] = sorted(k for k, v in plots.items() if v)
-    md = markdown(report)
+    ev = signoff.evidence
+    plots = {"throughput": plot_throughput(ev.ablation), "quality": plot_quality(signoff.gates, signoff.policy),
+             "kld": plot_kld(kld_values(folder)), "memory": plot_memory(ev.quant), "roofline": plot_roofline(ev.diagnose)}
+    report = signoff.to_json() | {"plots": sorted(k for k, v in plots.items() if v)}
+    md = markdown(signoff)
     write_json(folder / "report.json", report)
     write_text(folder / "report.md", md)
-    write_text(folder / "report.html", html_report(report, md, plots))
+    write_text(folder / "report.html", html_report(signoff.verdict, md, plots))
     return report

@@ -12,8 +12,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bench.ablation import BASE_SYSTEMS, SpeedLooks, ablation_table, bench_ablation
-from ..bench.kv_layer import UNQUANTIZED, bench_kv_layer, resolve_kv_dtype
+from ..bench.ablation import BASE_SYSTEMS, AblationTable, SpeedLooks, bench_ablation
+from ..bench.kv_layer import UNQUANTIZED, KVLayerRow, bench_kv_layer, resolve_kv_dtype
+from ..diagnose.result import DiagnoseResult
 from ..diagnose.run import diagnose
 from ..draft.format import check_fits, read_head_config
 from ..engine.config import KV_CACHE_DTYPES, EngineConfig
@@ -39,7 +40,7 @@ from .report import write_reports
 from .sequential import describe, describe_design, draw_until_decisive, planned_items
 from .speed import round_looks, speed_ratios, undecided
 from .steps import STEPS, SignoffConfig, StepRunner, load_output
-from .verdict import Evidence, decide
+from .verdict import Evidence, KVLayerSection, SpeedSection, decide
 
 __all__ = ["Gate", "SignoffConfig", "evaluate_gates", "signoff"]
 
@@ -298,15 +299,17 @@ def decide_and_write(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any],
     if evals is None and steps["eval"].get("status") == "ok":
         evals = EvalResults.load(out / "eval.json")
     bench = load_output(out / "bench.json") if steps["bench"].get("status") == "ok" else None
-    ablation = ablation_table(bench) if bench else None
-    if ablation is not None and bench is not None and bench.get("speed_rounds"):  # the report's first lines
-        ablation["speed"] = {"pair": bench["speed_rounds"]["pair"],
-                             "figures": [f.to_json() for f in speed_ratios(bench, policy)]}
+    ablation = AblationTable.from_bench(bench) if bench else None
+    speed = None
+    if bench is not None and bench.get("speed_rounds"):  # the report's first lines
+        speed = SpeedSection(list(bench["speed_rounds"]["pair"]), speed_ratios(bench, policy))
     gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, ablation, quant, bench)
     kv = load_output(out / "bench_kv.json") if bench else None
-    evidence = Evidence(steps, gates, evals, sequential or load_output(out / "sequential.json"), quant, ablation,
-                        load_output(out / "diagnose.json") if steps["diagnose"].get("status") == "ok" else None,
-                        kv_layer=kv["layer"] | {"config": kv["config"]} if kv else None)
+    diagnosed = load_output(out / "diagnose.json") if steps["diagnose"].get("status") == "ok" else None
+    evidence = Evidence(steps, gates, evals, sequential or load_output(out / "sequential.json"),
+                        quant.summary if quant else None, ablation,
+                        DiagnoseResult.from_json(diagnosed) if diagnosed else None,
+                        KVLayerSection(KVLayerRow.from_json(kv["layer"]), kv["config"]) if kv else None, speed)
     report = decide(evidence, config=asdict(cfg), policy=policy, provenance=provenance(
         model=model, recipe=recipe, policy={"name": policy.name, "path": policy.source}))
     return write_reports(out, report)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..bench.ablation import ablation_table, bench_candidates
+from ..bench.ablation import AblationTable, bench_candidates
 from ..bench.deployment import throughput_table
 from ..bench.kv_layer import UNQUANTIZED
 from ..bench.memory import peak_memory
@@ -40,6 +40,7 @@ from .policy import Policy, load_policy
 from .ranking import Row, worst_gate, write_sweep_reports
 from .run import SignoffRun, check_config, check_speculative, decide_and_write
 from .steps import SignoffConfig, StepRunner, load_output
+from .verdict import SignoffReport
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Candidate:
     cfg: SignoffConfig
     run: SignoffRun | None = None
     error: str | None = None  # what stopped it outside its steps (its steps record their own errors)
-    report: dict[str, Any] | None = None
+    report: SignoffReport | None = None
     family: FamilyJudgement | None = None
 
     @property
@@ -102,23 +103,23 @@ def signoff_sweep(cfg: SignoffConfig) -> dict[str, Any]:
 
 
 def row_of(c: Candidate, policy: Policy) -> Row:
-    report = c.report or {}
-    gates = [Gate.from_json(g) for g in report.get("gates") or []]
+    report = c.report
+    gates = report.gates if report else []
     name, frac = worst_gate(gates, policy)
     _, qfrac = worst_gate(gates, policy, quality_only=True)
-    quant, ablation = report.get("quantize"), report.get("ablation")
-    tiers = ablation["tiers"] if ablation else []
-    rounds = RoundsRatio.from_json(tiers[-1].get("total_speedup_rounds")) if tiers else None
-    speed = ablation["speed"]["figures"] if ablation and ablation.get("speed") else []
-    decode = [f for f in speed if f["kind"] == "decode" and f.get("ratio") is not None]
+    ev = report.evidence if report else None
+    quant = ev.quant if ev else None
+    top = ev.ablation.top if ev and ev.ablation else None
+    rounds = RoundsRatio.from_json(top.total_speedup_rounds) if top else None
+    decode = [f for f in (ev.speed.figures if ev and ev.speed else []) if f.kind == "decode" and f.ratio is not None]
     fam = c.family
-    return Row(c.name, report.get("verdict", verdicts.ERROR), fam.verdict if fam else verdicts.ERROR,
-               fam.alpha if fam else 0.0, quant["totals"]["linear_ratio_vs_bf16"] if quant else None,
+    return Row(c.name, report.verdict if report else verdicts.ERROR, fam.verdict if fam else verdicts.ERROR,
+               fam.alpha if fam else 0.0, quant.totals.linear_ratio_vs_bf16 if quant else None,
                # what a deployment buys: the top tier's decode speedup (TPOT) when the policy gates speed
-               {"ratio": decode[-1]["ratio"], "ci": decode[-1]["ci"], "what": "decode",
-                "concurrency": decode[-1]["concurrency"]} if decode
+               {"ratio": decode[-1].ratio, "ci": None if decode[-1].ci is None else list(decode[-1].ci),
+                "what": "decode", "concurrency": decode[-1].concurrency} if decode
                else {"ratio": rounds.ratio, "ci": rounds.ci.bounds} if rounds else None, name, frac, qfrac,
-               list(report.get("reasons") or []), c.error, str(c.folder), fam.to_json() if fam else None)
+               list(report.reasons) if report else [], c.error, str(c.folder), fam.to_json() if fam else None)
 
 
 def _guard(c: Candidate, fn: Callable[[], object]) -> None:
@@ -206,8 +207,9 @@ def _diagnose(cands: list[Candidate], shared: StepRunner, cfg: SignoffConfig, so
 def _report(c: Candidate, policy: Policy, source: ModelSource) -> None:
     assert c.run is not None and c.run.results is not None
     recipe = c.run.recipe
-    c.report = decide_and_write(c.cfg, policy, {"name": recipe.name, "sha256": recipe.sha256}, source.describe(), c.folder,
-                       c.run.results, c.run.quant)
+    c.report = SignoffReport.from_json(decide_and_write(
+        c.cfg, policy, {"name": recipe.name, "sha256": recipe.sha256}, source.describe(), c.folder, c.run.results,
+        c.run.quant))
 
 
 JudgeAt = Callable[["Candidate", float], FamilyJudgement]
@@ -225,7 +227,7 @@ def _family(cands: list[Candidate], judge: JudgeAt) -> None:
 
     def passes_at(name: str, alpha: float) -> bool:
         c = by_name[name]
-        if not c.report or c.report["verdict"] != verdicts.PASS:
+        if not c.report or c.report.verdict != verdicts.PASS:
             return False
         c.family = judge(c, alpha)
         return c.family.recommendable
@@ -233,7 +235,7 @@ def _family(cands: list[Candidate], judge: JudgeAt) -> None:
     shares = fallback([c.name for c in sorted(cands, key=weight)], passes_at)
     for c in cands:
         if c.family is None:
-            verdict = c.report["verdict"] if c.report else verdicts.ERROR
+            verdict = c.report.verdict if c.report else verdicts.ERROR
             c.family = FamilyJudgement(shares.get(c.name, 0.0), verdict)
 
 
@@ -247,7 +249,7 @@ def _local_judge(policy: Policy) -> JudgeAt:
 def _rejudge(c: Candidate, policy: Policy) -> Rejudge:
     def run(evals: EvalResults | None, level: float) -> list[Gate]:
         bench = load_output(c.folder / "bench.json")
-        ablation = ablation_table(bench) if bench else None  # its rounds' intervals at the context's level
+        ablation = AblationTable.from_bench(bench) if bench else None  # its rounds' intervals at the context's level
         assert c.run is not None
         return evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals, ablation, c.run.quant,
                               bench)
@@ -289,7 +291,7 @@ def signoff_endpoint_sweep(cfg: SignoffConfig, pairs: list[tuple[str, str]]) -> 
         with peak_memory() as peak:
             for i, c in enumerate(cands):
                 status(f"candidate {i + 1}/{len(cands)} {c.name} ({c.spec}): deployment sign-off")
-                _guard(c, lambda c=c: setattr(c, "report", signoff_deployments(c.cfg)))
+                _guard(c, lambda c=c: setattr(c, "report", SignoffReport.from_json(signoff_deployments(c.cfg))))
             _family(cands, _endpoint_judge(policy))
         return write_sweep_reports(out, cfg, policy, [row_of(c, policy) for c in cands], [u for _, u in pairs],
                                    {"tokenizer": cfg.model, "baseline_endpoint": cfg.baseline_endpoint},
