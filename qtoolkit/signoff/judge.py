@@ -11,11 +11,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ..bench.ablation import AblationTable
+from ..bench.ablation import AblationBench, AblationTable
 from ..bench.deployment import ThroughputTable
 from ..evals.results import EvalResults
 from ..evals.summary import RoundsRatio
-from ..quantize.report import QuantizeReport
+from ..quantize.report import QuantizeReport, QuantizeSummary
 from . import gates as verdicts
 from .policy import METRICS, Policy, metric_figure, read_metric
 from .speed import judge_speed, speed_gate_name, speed_ratios
@@ -80,7 +80,7 @@ def undecided_and_failed(policy: Policy, evals: EvalResults | None,
 
 
 def evaluate_gates(policy: Policy, evals: EvalResults | None, table: AblationTable | ThroughputTable | None,
-                   quant: QuantizeReport | None, bench: dict[str, Any] | None = None) -> list[Gate]:
+                   quant: QuantizeReport | QuantizeSummary | None, bench: AblationBench | None = None) -> list[Gate]:
     """Every gate of the policy: `table` (the local ablation, or the two deployments' throughput) feeds the
     older throughput gates, `bench` (bench.json) the speed gates (qtoolkit/signoff/speed.py)."""
     gates: list[Gate] = []
@@ -124,7 +124,7 @@ def evaluate_gates(policy: Policy, evals: EvalResults | None, table: AblationTab
             j = verdicts.with_interval_method(j, rounds.ci.method, rounds.ci.coverage, rounds.ci.reliable, "rounds")
         gates.append(Gate.of("throughput", attr, j, point, judged))
     if policy.throughput.min_decode_speedup is not None or policy.throughput.prefill_margin is not None:
-        for fig in speed_ratios(bench or {}, policy):
+        for fig in speed_ratios(bench, policy):
             gates.append(Gate.of("throughput", speed_gate_name(fig), judge_speed(fig, policy), fig.ratio,
                                  fig.ci[0] if fig.complete and fig.ci else None))
     t = quant.totals if quant else None

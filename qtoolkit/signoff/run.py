@@ -12,9 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bench.ablation import BASE_SYSTEMS, AblationTable, SpeedLooks, bench_ablation
-from ..bench.kv_layer import UNQUANTIZED, KVLayerRow, bench_kv_layer, resolve_kv_dtype
-from ..diagnose.result import DiagnoseResult
+from ..bench.ablation import BASE_SYSTEMS, SpeedLooks, bench_ablation
+from ..bench.kv_layer import UNQUANTIZED, bench_kv_layer, resolve_kv_dtype
 from ..diagnose.run import diagnose
 from ..draft.format import check_fits, read_head_config
 from ..engine.config import KV_CACHE_DTYPES, EngineConfig
@@ -40,7 +39,7 @@ from .report import write_reports
 from .sequential import describe, describe_design, draw_until_decisive, planned_items
 from .speed import round_looks, speed_ratios, undecided
 from .steps import STEPS, SignoffConfig, StepRunner, load_output
-from .verdict import Evidence, KVLayerSection, SpeedSection, decide
+from .verdict import Evidence, SpeedSection, decide
 
 __all__ = ["Gate", "SignoffConfig", "evaluate_gates", "signoff"]
 
@@ -293,23 +292,16 @@ def _check_rejudge_data(evals: EvalResults, data: list[str]) -> None:
 
 
 def decide_and_write(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: dict[str, Any], out: Path,
-            results: dict[str, dict[str, Any]], quant: QuantizeReport | None, *, evals: EvalResults | None = None,
-            sequential: dict[str, Any] | None = None) -> dict[str, Any]:
-    steps = {n: results.get(n, {}) for n in STEPS}
-    if evals is None and steps["eval"].get("status") == "ok":
-        evals = EvalResults.load(out / "eval.json")
-    bench = load_output(out / "bench.json") if steps["bench"].get("status") == "ok" else None
-    ablation = AblationTable.from_bench(bench) if bench else None
-    speed = None
-    if bench is not None and bench.get("speed_rounds"):  # the report's first lines
-        speed = SpeedSection(list(bench["speed_rounds"]["pair"]), speed_ratios(bench, policy))
-    gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, ablation, quant, bench)
-    kv = load_output(out / "bench_kv.json") if bench else None
-    diagnosed = load_output(out / "diagnose.json") if steps["diagnose"].get("status") == "ok" else None
-    evidence = Evidence(steps, gates, evals, sequential or load_output(out / "sequential.json"),
-                        quant.summary if quant else None, ablation,
-                        DiagnoseResult.from_json(diagnosed) if diagnosed else None,
-                        KVLayerSection(KVLayerRow.from_json(kv["layer"]), kv["config"]) if kv else None, speed)
+                     results: dict[str, dict[str, Any]], quant: QuantizeReport | None, *,
+                     evals: EvalResults | None = None, sequential: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The evidence in `out` read once (Evidence.load), judged, decided, and written as report.{json,md,html}."""
+    evidence = Evidence.load(out, {n: results.get(n, {}) for n in STEPS}, evals=evals, sequential=sequential,
+                             quant=quant.summary if quant else None)
+    bench = evidence.bench
+    if bench is not None and bench.speed_rounds is not None:  # the report's first lines
+        evidence.speed = SpeedSection(list(bench.speed_rounds.pair), speed_ratios(bench, policy))
+    evidence.gates = evaluate_gates(custom_signoff.gate_policy(policy, evidence.evals, cfg.data), evidence.evals,
+                                    evidence.ablation, evidence.quant, bench)
     report = decide(evidence, config=asdict(cfg), policy=policy, provenance=provenance(
         model=model, recipe=recipe, policy={"name": policy.name, "path": policy.source}))
     return write_reports(out, report)

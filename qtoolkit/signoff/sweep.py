@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..bench.ablation import AblationTable, bench_candidates
+from ..bench.ablation import AblationBench, bench_candidates
 from ..bench.deployment import throughput_table
 from ..bench.kv_layer import UNQUANTIZED
 from ..bench.memory import peak_memory
@@ -249,10 +249,10 @@ def _local_judge(policy: Policy) -> JudgeAt:
 def _rejudge(c: Candidate, policy: Policy) -> Rejudge:
     def run(evals: EvalResults | None, level: float) -> list[Gate]:
         bench = load_output(c.folder / "bench.json")
-        ablation = AblationTable.from_bench(bench) if bench else None  # its rounds' intervals at the context's level
+        measured = AblationBench.from_json(bench) if bench else None  # its rounds' intervals at the context's level
         assert c.run is not None
-        return evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals, ablation, c.run.quant,
-                              bench)
+        return evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals,
+                              measured.table if measured else None, c.run.quant, measured)
     return run
 
 

@@ -4,9 +4,10 @@ the reading, gathered in the `SignoffReport` that report.py writes as report.{js
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from ..bench.ablation import AblationTable
+from ..bench.ablation import AblationBench, AblationTable
 from ..bench.deployment import ThroughputTable
 from ..bench.kv_layer import KVLayerRow
 from ..diagnose.result import DiagnoseResult
@@ -16,6 +17,7 @@ from . import gates as verdicts
 from .judge import Gate
 from .policy import Policy
 from .speed import SpeedRatio
+from .steps import load_output
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,8 @@ class KVLayerSection:
 
 @dataclass
 class Evidence:
-    """What a sign-off measured: each step's outcome (in the order the steps run) and the gates judged on it."""
+    """What a sign-off measured: each step's outcome (in the order the steps run), its output as its type, and the
+    gates judged on it."""
 
     steps: dict[str, dict[str, Any]]  # name -> steps.json entry: status, error, seconds, output
     gates: list[Gate]
@@ -82,6 +85,28 @@ class Evidence:
     diagnose: DiagnoseResult | None = None
     kv_layer: KVLayerSection | None = None  # bench_kv.json's layer, when it ran
     speed: SpeedSection | None = None  # the speed gates' figures, when the bench measured their rounds
+    bench: AblationBench | None = None  # bench.json as the gates read it (the report keeps `ablation`)
+
+    @classmethod
+    def load(cls, folder: Path, steps: dict[str, dict[str, Any]], *, evals: EvalResults | None = None,
+             sequential: dict[str, Any] | None = None, quant: QuantizeSummary | None = None) -> Evidence:
+        """Each step's output in a local sign-off's `folder` (eval.json, sequential.json, bench.json,
+        bench_kv.json, diagnose.json) read once, as its type; a step that did not finish has none. `evals`,
+        `sequential` and `quant` when the caller holds them already (--rejudge rebuilds the summaries). The
+        gates are judged on it afterwards (`gates` starts empty)."""
+        def ok(name: str) -> bool:
+            return name in steps and steps[name].get("status") == "ok"
+
+        if evals is None and ok("eval"):
+            evals = EvalResults.load(folder / "eval.json")
+        bench = load_output(folder / "bench.json") if ok("bench") else None
+        kv = load_output(folder / "bench_kv.json") if bench else None
+        diagnosed = load_output(folder / "diagnose.json") if ok("diagnose") else None
+        return cls(steps, [], evals, sequential or load_output(folder / "sequential.json"), quant,
+                   AblationTable.from_bench(bench) if bench else None,
+                   DiagnoseResult.from_json(diagnosed) if diagnosed else None,
+                   KVLayerSection(KVLayerRow.from_json(kv["layer"]), kv["config"]) if kv else None,
+                   bench=AblationBench.from_json(bench) if bench else None)
 
 
 # report.json's own keys; every other top-level key is provenance (qtoolkit.provenance.provenance())
