@@ -87,8 +87,8 @@ def test_report_states_the_overall_error_not_k_times_5_percent():
     assert error_statement(describe(looks[:1], 8)).startswith("One look (8 items 5.00% error)")
     legacy = {"looks": seq["looks"][:3], "max_items": 64, "error_rate_bound": 0.15}  # sequential.json of before
     assert "K x 5% = 15%" in error_statement(legacy)
-    assert look_level({"limit": 8, "max_items": 64}, 16) == pytest.approx(100 * design_of(8, 64).levels[1])
-    assert look_level({"limit": 8, "max_items": None}, 8) == 95.0
+    assert look_level(8, 64, 16) == pytest.approx(100 * design_of(8, 64).levels[1])
+    assert look_level(8, None, 8) == 95.0
     assert stages(8, 64) == list(design_of(8, 64).items)
 
 

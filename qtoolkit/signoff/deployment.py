@@ -31,7 +31,7 @@ from . import workload as custom_signoff
 from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
-from .sequential import describe, draw_until_decisive
+from .sequential import eval_step
 from .steps import SignoffConfig, StepRunner, load_output
 from .verdict import DeploymentSection, Evidence, NotMeasurable, decide
 
@@ -142,8 +142,6 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
     inputs = {**identity, "tasks": tasks, "limit": cfg.limit, "seed": cfg.seed}
     if cfg.data:  # an edited workload file is other evidence: its hash is in the key, as in the local sign-off
         inputs["data"] = custom_signoff.data_inputs(cfg.data)
-    if cfg.max_items and cfg.max_items > cfg.limit:  # how many items get drawn depends on the quality bounds
-        inputs |= {"max_items": cfg.max_items, "quality_bounds": policy.model_dump()["tasks"]}
 
     def run(items: int, overwrite: bool, only: list[str] | None) -> None:
         evaluate(EvalConfig(
@@ -160,13 +158,7 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
         return undecided_and_failed(custom_signoff.gate_policy(policy, evals, cfg.data), evals,
                                     skip=lambda g: _unmeasurable_gate(g, evals, None) is not None)
 
-    resume = steps.interrupted("eval", inputs)
-
-    def do_eval() -> None:
-        looks = draw_until_decisive(run, judge, cfg.limit, cfg.max_items, resume=resume)
-        write_json(out / "sequential.json", describe(looks, cfg.max_items))
-
-    return steps.run("eval", inputs, out / "eval.json", do_eval)
+    return eval_step(steps, out, inputs, policy, cfg.limit, cfg.max_items, run, judge)
 
 
 def judge_deployment(cfg: SignoffConfig, policy: Policy, evals: EvalResults | None, table: ThroughputTable | None,

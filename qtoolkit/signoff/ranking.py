@@ -15,6 +15,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from ..bench.memory import PeakMemory
 from ..io import write_json, write_text
 from ..provenance import provenance
 from . import gates as verdicts
@@ -158,8 +159,8 @@ def pareto_plot(rows: list[Row]) -> str | None:
     return png(fig)
 
 
-def _markdown(data: dict[str, Any], rows: list[Row]) -> str:
-    lines = [f"# Release sign-off over {len(rows)} candidates: {data['verdict']}", "", f"**{data['line']}**", "",
+def _markdown(verdict: str, line: str, rows: list[Row], peak: PeakMemory) -> str:
+    lines = [f"# Release sign-off over {len(rows)} candidates: {verdict}", "", f"**{line}**", "",
              "| rank | candidate | verdict | at its family share | linear bytes vs bf16 | speed vs baseline "
              "(decode per stream, same serving config; else full stack) | worst gate | its CI end / limit |", "|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(ranked(rows), 1):
@@ -176,7 +177,7 @@ def _markdown(data: dict[str, Any], rows: list[Row]) -> str:
               "`qtool signoff` refuses a sweep's candidate folder, and a fresh folder would judge at a full 5% a "
               "candidate chosen after seeing the others.", "",
               f"Peak memory of the whole process tree (this process, its servers and sandboxes): "
-              f"{data['peak_memory']['rss_bytes'] / 2**30:.2f} GiB summed over {data['peak_memory']['processes']} "
+              f"{peak.rss_bytes / 2**30:.2f} GiB summed over {peak.processes} "
               "processes at its peak.", ""]
     for r in rows:
         if r.error:
@@ -190,7 +191,7 @@ def _markdown(data: dict[str, Any], rows: list[Row]) -> str:
 
 
 def write_sweep_reports(out: Path, cfg: SignoffConfig, policy: Policy, rows: list[Row], recipes: list[str],
-                        model: dict[str, Any], peak: dict[str, Any]) -> dict[str, Any]:
+                        model: dict[str, Any], peak: PeakMemory) -> dict[str, Any]:
     name, line, code = recommendation(rows)
     verdict = RECOMMENDED if name else next(v for v, c in verdicts.EXIT_CODES.items() if c == code)
     data = {**provenance(model=model, policy={"name": policy.name, "path": policy.source},
@@ -199,9 +200,9 @@ def write_sweep_reports(out: Path, cfg: SignoffConfig, policy: Policy, rows: lis
             "family_wise": {"method": FAMILY_METHOD, "alpha": 0.05},
             "candidates": [r.to_json() | {"report": str(Path("candidates") / r.name / "report.html")}
                            for r in rows],
-            "ranking": [r.name for r in ranked(rows)], "peak_memory": peak,
+            "ranking": [r.name for r in ranked(rows)], "peak_memory": peak.to_json(),
             "config": {k: v for k, v in cfg.__dict__.items() if k != "baseline_generations"}}
-    md = _markdown(data, rows)
+    md = _markdown(verdict, line, rows, peak)
     write_json(out / "report.json", data)
     write_text(out / "report.md", md)
     html = html_report("PASS" if name else verdict, md, {"pareto": pareto_plot(rows)})

@@ -182,13 +182,12 @@ def _method_cell(gate: Gate) -> str:
     return f" ({gate.ci_method}{'' if cov is None else f', simulated coverage {cov:.1%}'})"
 
 
-def look_level(cfg: dict[str, Any], items: int | None) -> float:
+def look_level(limit: int | None, max_items: int | None, items: int | None) -> float:
     """The confidence level (in %) of the look that drew `items`: the error-spending design of the sign-off's
     --limit and --max-items (qtoolkit/signoff/error_spending.py); 95 when judged once."""
-    limit = cfg.get("limit")
     if not limit or not items:
         return 95.0
-    return 100 * design_of(limit, cfg.get("max_items")).level_at(items)
+    return 100 * design_of(limit, max_items).level_at(items)
 
 
 # ---- text ----------------------------------------------------------------------------------------------------
@@ -215,7 +214,8 @@ def markdown(report: SignoffReport) -> str:
     lines += deployment_lines(report.deployment)  # endpoints, their bench tiers, what they cannot give
     lines += ablation_lines(ev.ablation) + kv_layer_lines(ev.kv_layer)
     evals = ev.evals or EvalResults({})
-    lines += quality_lines(evals, lambda items: look_level(cfg, items)) + custom_regression_lines(evals)
+    limit, max_items = cfg.get("limit"), cfg.get("max_items")  # a deployment's config, like a local one's
+    lines += quality_lines(evals, lambda items: look_level(limit, max_items, items)) + custom_regression_lines(evals)
     if ev.quant is not None:
         t = ev.quant.totals
         lines += ["## Memory", "", f"Linear weights: {t.linear_quantized_bytes / 2**20:.1f} MiB quantized vs "

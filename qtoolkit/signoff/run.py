@@ -36,7 +36,7 @@ from .error_spending import plan
 from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
-from .sequential import describe, describe_design, draw_until_decisive, planned_items
+from .sequential import describe_design, eval_step, planned_items
 from .speed import round_looks, speed_ratios, undecided
 from .steps import STEPS, SignoffConfig, StepRunner, load_output
 from .verdict import Evidence, SpeedSection, decide
@@ -176,25 +176,16 @@ class SignoffRun:
         inputs = {"candidate": cand_key, "baseline": self.source.sha256, "tasks": tasks, "limit": cfg.limit,
                   "endpoint": cfg.endpoint, "seed": cfg.seed, **({"data": data} if data else {}),
                   **({"kv_cache_dtype": self.kv} if self.kv != UNQUANTIZED and not cfg.endpoint else {})}
-        if cfg.max_items and cfg.max_items > cfg.limit:  # how many items get drawn depends on the quality bounds
-            inputs |= {"max_items": cfg.max_items, "quality_bounds": policy.model_dump()["tasks"]}
 
         def run(items: int, overwrite: bool, only: list[str] | None) -> None:
-            # eval.json is written per batch: a rerun with the same inputs resumes its finished items, and a
-            # further look reuses the items of the looks before it
+            # a further look reuses the items of the looks before it
             evaluate(self.eval_config(",".join(only) if only else tasks, items, out / "eval.json", overwrite))
 
         def judge() -> tuple[list[Gate], list[Gate]]:
             evals = EvalResults.load(out / "eval.json")
             return undecided_and_failed(custom_signoff.gate_policy(policy, evals, cfg.data), evals)
 
-        resume = self.runner.interrupted("eval", inputs)
-
-        def do_eval() -> None:
-            looks = draw_until_decisive(run, judge, cfg.limit, cfg.max_items, resume=resume)
-            write_json(out / "sequential.json", describe(looks, cfg.max_items))
-
-        self.results["eval"] = self.runner.run("eval", inputs, out / "eval.json", do_eval)
+        self.results["eval"] = eval_step(self.runner, out, inputs, policy, cfg.limit, cfg.max_items, run, judge)
 
     def bench_plan(self) -> tuple[dict[str, Any], EngineConfig, dict[str, Any]]:
         """The bench step's reuse key, the servers' engine options and the ablation's arguments. With speed gates

@@ -14,11 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..evals.stats.paired import confidence_level
+from ..io import write_json
 from .error_spending import ALPHA, Design, plan
 from .judge import Gate
+from .policy import Policy
+from .steps import StepRunner
+
+Run = Callable[[int, bool, list[str] | None], None]
+Judge = Callable[[], tuple[list[Gate], list[Gate]]]
 
 
 @dataclass
@@ -41,9 +48,7 @@ def stages(limit: int, max_items: int | None) -> list[int]:
     return out
 
 
-def draw_until_decisive(run: Callable[[int, bool, list[str] | None], None],
-                        judge: Callable[[], tuple[list[Gate], list[Gate]]], limit: int, max_items: int | None, *,
-                        resume: bool) -> list[Look]:
+def draw_until_decisive(run: Run, judge: Judge, limit: int, max_items: int | None, *, resume: bool) -> list[Look]:
     """`run(items, overwrite, tasks)` evaluates that many items of those tasks (None: all);
     `judge()` -> (undecided gates, failed gates)."""
     looks: list[Look] = []
@@ -59,6 +64,23 @@ def draw_until_decisive(run: Callable[[int, bool, list[str] | None], None],
         if failed or not undecided:
             break
     return looks
+
+
+def eval_step(runner: StepRunner, out: Path, inputs: dict[str, Any], policy: Policy, limit: int,
+              max_items: int | None, run: Run, judge: Judge) -> dict[str, Any]:
+    """The eval step of a local and of a deployment sign-off: `run` scores the items (eval.json, written per
+    batch, so a rerun with the same inputs resumes its finished items), `judge` reads the quality gates after
+    each look, and the looks go to sequential.json. How many items get drawn depends on the quality bounds when
+    there is a budget, so they join the step's reuse key."""
+    if max_items and max_items > limit:
+        inputs = inputs | {"max_items": max_items, "quality_bounds": policy.model_dump()["tasks"]}
+    resume = runner.interrupted("eval", inputs)
+
+    def do_eval() -> None:
+        looks = draw_until_decisive(run, judge, limit, max_items, resume=resume)
+        write_json(out / "sequential.json", describe(looks, max_items))
+
+    return runner.run("eval", inputs, out / "eval.json", do_eval)
 
 
 def design_of(limit: int, max_items: int | None) -> Design:

@@ -94,7 +94,7 @@ def signoff_sweep(cfg: SignoffConfig) -> dict[str, Any]:
                     _guard(c, lambda c=c: _report(c, policy, source))
             _family(cands, _local_judge(policy))
         return write_sweep_reports(out, cfg, policy, [row_of(c, policy) for c in cands], specs, source.describe(),
-                                   peak.to_json())
+                                   peak)
     finally:
         shared.lock.release()
         for c in cands:
@@ -294,8 +294,7 @@ def signoff_endpoint_sweep(cfg: SignoffConfig, pairs: list[tuple[str, str]]) -> 
                 _guard(c, lambda c=c: setattr(c, "report", SignoffReport.from_json(signoff_deployments(c.cfg))))
             _family(cands, _endpoint_judge(policy))
         return write_sweep_reports(out, cfg, policy, [row_of(c, policy) for c in cands], [u for _, u in pairs],
-                                   {"tokenizer": cfg.model, "baseline_endpoint": cfg.baseline_endpoint},
-                                   peak.to_json())
+                                   {"tokenizer": cfg.model, "baseline_endpoint": cfg.baseline_endpoint}, peak)
     finally:
         shared.lock.release()
 
