@@ -218,3 +218,98 @@ def test_measurements_hold_evidence_not_code():
     """measurements/ holds results (JSON, MD, plots) and the commands behind them, no Python reaching into the
     package: a check that asserts an outcome is a test, a re-runnable benchmark is a `qtool` command."""
     assert sorted(_rel(p) for p in (ROOT / "measurements").rglob("*.py")) == []
+
+
+# ---- the evidence's types: signoff/ and bench/ hand each other objects, not dicts read by key path ----------
+TYPED_ROOMS = ("qtoolkit/signoff/", "qtoolkit/bench/")
+# `dict[str, Any]` in the signatures (parameters and returns) of signoff/ and bench/; this number only goes down
+MAX_DICT_ANY_IN_SIGNATURES = 144
+
+
+def _our_modules_bound(module: str, path: Path, tree: ast.Module) -> set[str]:
+    """Names a module binds to one of our modules (`from . import gates as verdicts`, `import qtoolkit.io`)."""
+    bound = set()
+    for node, _ in _imports(tree, type_checking=True):
+        if isinstance(node, ast.Import):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names if _ours(a.name)}
+            continue
+        base = _targets(module, path, node)[0]
+        bound |= {a.asname or a.name for a in node.names if f"{base}.{a.name}" in MODULES}
+    return bound
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_uses() -> list[str]:
+    """`from .x import _name` and `x._name` where x is another of our modules: its private names are its own."""
+    out = []
+    for module, path in MODULES.items():
+        if not _rel(path).startswith("qtoolkit/"):
+            continue
+        tree = ast.parse(path.read_text())
+        bound = _our_modules_bound(module, path, tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and _ours(_targets(module, path, node)[0]):
+                out += [f"{_rel(path)}:{node.lineno}: {a.name}" for a in node.names if _private(a.name)]
+            elif (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
+                  and node.value.id in bound):
+                out.append(f"{_rel(path)}:{node.lineno}: {node.value.id}.{node.attr}")
+    return out
+
+
+def test_no_module_uses_another_modules_private_names():
+    assert _private_uses() == []
+
+
+def _get_or_empty(node: ast.AST) -> bool:
+    """`x.get(...) or {}`."""
+    return (isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or) and isinstance(node.values[-1], ast.Dict)
+            and not node.values[-1].keys and any(isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute)
+                                                 and v.func.attr == "get" for v in node.values[:-1]))
+
+
+def _chained_gets() -> list[str]:
+    """`(x.get(a) or {}).get(b)` and `(x.get(a) or {})[b]`: a dict read by key path, its absences papered over."""
+    out = []
+    for path in MODULES.values():
+        if not _rel(path).startswith("qtoolkit/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr == "get" or isinstance(node, ast.Subscript)) \
+                    and _get_or_empty(node.value):
+                out.append(f"{_rel(path)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return out
+
+
+def test_no_chained_get_or_empty():
+    assert _chained_gets() == []
+
+
+def _dict_any_in_signatures() -> list[str]:
+    out = []
+    for path in MODULES.values():
+        if not _rel(path).startswith(TYPED_ROOMS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                for ann in [x.annotation for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]] + [node.returns]:
+                    if ann is not None:
+                        out += [f"{_rel(path)}:{node.lineno}: {node.name}"] * ast.unparse(ann).count("dict[str, Any]")
+    return out
+
+
+def test_dict_any_in_signoff_and_bench_signatures_is_capped():
+    found = _dict_any_in_signatures()
+    assert len(found) <= MAX_DICT_ANY_IN_SIGNATURES, "\n".join(found)
+
+
+def test_the_guards_find_what_they_guard():
+    """Each guard on a snippet that breaks it (so a guard cannot pass by finding nothing)."""
+    tree = ast.parse("(a.get('x') or {}).get('y')\n(a.get('x') or {})['y']\nb.get('x') or {}\n")
+    hits = [n for n in ast.walk(tree) if (isinstance(n, ast.Attribute) and n.attr == "get"
+                                         or isinstance(n, ast.Subscript)) and _get_or_empty(n.value)]
+    assert len(hits) == 2
+    assert _private("_load") and not _private("__all__") and not _private("load")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from qtoolkit.bench.ablation import AblationTable, ablation_table
+from qtoolkit.bench.ablation import AblationTable
 from qtoolkit.bench.loop import Tier, TierLoop, TierRecord
 from qtoolkit.bench.types import BenchRequest, Workload
 from qtoolkit.bench.workload_files import FileWorkload, parse_workload
@@ -120,7 +120,7 @@ def _bench(rounds: dict | None, speculative: bool) -> dict:
 def test_the_ablation_table_round_trips_and_keeps_its_shape(speculative):
     rounds = {"baseline_static": [10.0, 10.5, 9.5], "candidate_static": [12.0, 12.2, 11.9],
               "candidate_continuous": [17.0, 17.5, 16.0], "candidate_continuous_spec": [19.0, 19.5, 18.0]}
-    table = ablation_table(_bench(rounds, speculative))
+    table = AblationTable.from_bench(_bench(rounds, speculative)).to_json()
     assert AblationTable.from_json(json.loads(json.dumps(table))).to_json() == json.loads(json.dumps(table))
     (row,) = table["tiers"]
     top = "candidate_continuous_spec" if speculative else "candidate_continuous"
@@ -186,7 +186,7 @@ def test_the_deployment_throughput_table_keeps_its_shape():
     tier = {"concurrency": 4, "num_requests": 4, "results": {"baseline": summary("b", 10.0),
                                                              "candidate": summary("c", 15.0)},
             "rounds": {"baseline": [10.0, 10.0, 11.0], "candidate": [15.0, 14.0, 16.0]}}
-    table = throughput_table({"tiers": [tier, {**tier, "rounds": None}], "inputs": {"workload_sha256": "x"}})
+    table = throughput_table({"tiers": [tier, {**tier, "rounds": None}], "inputs": {"workload_sha256": "x"}}).to_json()
     top, plain = table["tiers"][0], table["tiers"][1]
     assert top["total_speedup"] == pytest.approx(1.5) and top["total_speedup_rounds"]["rounds"] == 3
     assert "total_speedup_rounds" not in plain and table["workload_sha256"] == "x"

@@ -13,12 +13,13 @@ from PIL import Image
 from qtoolkit.bench.load_client import RequestResult, summarize
 from qtoolkit.cli import main
 from qtoolkit.signoff.report import html_report, markdown
+from qtoolkit.signoff.verdict import SignoffReport
 
 DETAIL = "kld 0.5 | limit 0.1 < judged & <b>not bold</b>"
 
 
 def _report() -> dict:
-    return {"config": {"model": "m<1>", "recipe": "r&d"}, "verdict": "FAIL", "policy": {"name": "p"},
+    return {"config": {"model": "m<1>", "recipe": "r&d"}, "verdict": "FAIL", "policy": {"name": "p", "tasks": {}},
             "created": "now", "reasons": [f"code.kld_mean: {DETAIL}"],
             "gates": [{"name": "code.kld_mean", "passed": False, "point": 0.5, "judged": 0.6, "detail": DETAIL},
                       {"name": "code.pass_at_1", "passed": True, "point": 0.0, "judged": -0.1, "detail": "ok"}],
@@ -53,7 +54,7 @@ class _Cells(HTMLParser):
 
 
 def test_markdown_escapes_pipes_in_cells():
-    md = markdown(_report())
+    md = markdown(SignoffReport.from_json(_report()))
     row = next(line for line in md.splitlines() if line.startswith("| code.kld_mean"))
     assert row.count(" | ") == 5 and "\\|" in row  # six cells; the detail's pipe escaped
 
@@ -62,7 +63,7 @@ def test_markdown_escapes_pipes_in_cells():
 def test_gate_detail_with_pipe_lt_amp_renders_in_chromium(tmp_path):
     r = _report()
     page = tmp_path / "report.html"
-    page.write_text(html_report(r, markdown(r), {}))
+    page.write_text(html_report(r["verdict"], markdown(SignoffReport.from_json(r)), {}))
     dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
                           "--disable-background-networking", f"--user-data-dir={tmp_path / 'profile'}",
                           page.as_uri()], check=True, timeout=120, capture_output=True, text=True).stdout

@@ -22,6 +22,7 @@ from qtoolkit.bench.types import BenchRequest
 from qtoolkit.cli import main
 from qtoolkit.errors import QToolError
 from qtoolkit.signoff.report import kv_layer_lines
+from qtoolkit.signoff.verdict import KVLayerSection
 
 
 def _with_scheme(folder: Path, src: Path, scheme: dict | None) -> Path:
@@ -66,8 +67,9 @@ def test_layer_row_ratios_and_report_lines():
     assert row.capacity_ratio == pytest.approx(3.76) and row.throughput_ratio == pytest.approx(1.25)
     assert row.throughput_ratio_rounds["rounds"] == 3
     assert KVLayerRow.from_json(json.loads(json.dumps(row.to_json()))) == row
-    text = "\n".join(kv_layer_lines(row.to_json() | {"config": {"concurrency": 32, "workload": "long",
-                                                                  "kv_cache_memory": "123"}}))
+    section = KVLayerSection(row, {"concurrency": 32, "workload": "long", "kv_cache_memory": "123"})
+    assert KVLayerSection.from_json(json.loads(json.dumps(section.to_json()))) == section
+    text = "\n".join(kv_layer_lines(section))
     assert "| auto | 1000 | 7 |" in text and "| fp8 | 3760 | 0 |" in text and "3.76x" in text
     assert "over 3 interleaved rounds" in text.lower() and "95% CI" in text
     assert kv_layer_lines(None) == []

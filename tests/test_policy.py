@@ -98,9 +98,9 @@ def _full_stack_policy():
     ({"baseline_static": [10.0, 10.0, 10.0], "candidate_continuous": [12.0, 9.0, 15.0]}, False),
 ])
 def test_throughput_gate_judges_the_lower_bound_over_rounds(rounds, passed):
-    from qtoolkit.bench.ablation import ablation_table
+    from qtoolkit.bench.ablation import AblationTable
 
-    ab = ablation_table(_bench_tier(10.0, 12.0, rounds))
+    ab = AblationTable.from_bench(_bench_tier(10.0, 12.0, rounds))
     policy = _full_stack_policy()
     gate = {g.name: g for g in evaluate_gates(policy, None, ab, None)}["throughput.min_speedup"]
     assert gate.passed is passed
@@ -112,14 +112,14 @@ def test_throughput_gate_judges_the_lower_bound_over_rounds(rounds, passed):
 
 
 def test_throughput_gate_names_its_interval_and_an_unreliable_one_decides_nothing():
-    from qtoolkit.bench.ablation import ablation_table
+    from qtoolkit.bench.ablation import AblationTable
 
-    ab = ablation_table(_bench_tier(10.0, 12.0, {"baseline_static": [10.0, 10.0, 10.0],
+    ab = AblationTable.from_bench(_bench_tier(10.0, 12.0, {"baseline_static": [10.0, 10.0, 10.0],
                                                  "candidate_continuous": [12.0, 12.4, 11.8]}))
     policy = _full_stack_policy()
     gate = {g.name: g for g in evaluate_gates(policy, None, ab, None)}["throughput.min_speedup"]
     assert gate.verdict == "PASS" and "log ratios" in gate.ci_method and gate.ci_coverage >= 0.93
-    ab["tiers"][-1]["total_speedup_rounds"]["ci_reliable"] = False  # a round count the harness does not vouch for
+    ab.tiers[-1].total_speedup_rounds["ci_reliable"] = False  # a round count the harness does not vouch for
     gate = {g.name: g for g in evaluate_gates(policy, None, ab, None)}["throughput.min_speedup"]
     assert gate.verdict == "INCONCLUSIVE" and not gate.passed and "too few rounds" in gate.detail
 

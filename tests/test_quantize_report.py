@@ -13,6 +13,7 @@ from qtoolkit.quantize.report import QuantizeReport, QuantizeSummary
 from qtoolkit.signoff.judge import evaluate_gates
 from qtoolkit.signoff.policy import MemoryGates, load_policy
 from qtoolkit.signoff.report import markdown, plot_memory
+from qtoolkit.signoff.verdict import SignoffReport
 
 OLDER = Path(__file__).parent / "data" / "quantize_report_before_kv_cache_scheme.json"
 
@@ -92,10 +93,10 @@ def test_signoff_reads_memory_figures_from_the_typed_report():
     missing = {g.name: g for g in evaluate_gates(policy, None, None, None)}["memory.max_checkpoint_bytes"]
     assert missing.point is None and missing.verdict != "PASS"
 
-    signoff = {"config": {"model": "m", "recipe": "int4-rtn"}, "verdict": "PASS", "policy": {"name": "p"},
+    signoff = {"config": {"model": "m", "recipe": "int4-rtn"}, "verdict": "PASS", "policy": {"name": "p", "tasks": {}},
                "created": "now", "reasons": [], "gates": [], "steps": {}, "inputs": {}, "versions": {},
                "machine": {}, "quantize": json.loads(json.dumps(report.summary.to_json()))}
-    md = markdown(signoff)
+    md = markdown(SignoffReport.from_json(signoff))
     assert f"{t.linear_quantized_bytes / 2**20:.1f} MiB quantized" in md
     assert f"checkpoint {t.checkpoint_bytes / 2**20:.1f} MiB" in md
-    assert plot_memory(signoff)  # a PNG drawn from the same figures
+    assert plot_memory(report.summary)  # a PNG drawn from the same figures

@@ -14,6 +14,7 @@ from qtoolkit.signoff.gates import INCONCLUSIVE, PASS, error_statement, judge_qu
 from qtoolkit.signoff.judge import Gate
 from qtoolkit.signoff.report import look_level, markdown
 from qtoolkit.signoff.sequential import describe, design_of, draw_until_decisive, stages
+from qtoolkit.signoff.verdict import SignoffReport
 
 
 @pytest.mark.parametrize("looks", [[8, 16, 32, 64], [8, 16, 32, 40], [2, 4], [8, 64], [1, 2, 4, 8, 16, 32, 64]])
@@ -86,8 +87,8 @@ def test_report_states_the_overall_error_not_k_times_5_percent():
     assert error_statement(describe(looks[:1], 8)).startswith("One look (8 items 5.00% error)")
     legacy = {"looks": seq["looks"][:3], "max_items": 64, "error_rate_bound": 0.15}  # sequential.json of before
     assert "K x 5% = 15%" in error_statement(legacy)
-    assert look_level({"limit": 8, "max_items": 64}, 16) == pytest.approx(100 * design_of(8, 64).levels[1])
-    assert look_level({"limit": 8, "max_items": None}, 8) == 95.0
+    assert look_level(8, 64, 16) == pytest.approx(100 * design_of(8, 64).levels[1])
+    assert look_level(8, None, 8) == 95.0
     assert stages(8, 64) == list(design_of(8, 64).items)
 
 
@@ -96,9 +97,9 @@ def test_report_markdown_names_each_tasks_level_and_the_overall_error():
     seq = describe(looks, 64)
     fig = paired_delta([0.5, 0.4, 0.6, 0.3] * 4, [0.5, 0.5, 0.6, 0.4] * 4, seed=0, shape="bounded")
     report = {"config": {"model": "m", "recipe": "r", "limit": 8, "max_items": 64}, "verdict": "INCONCLUSIVE",
-              "policy": {"name": "default"}, "created": "now", "reasons": [], "gates": [], "steps": {},
+              "policy": {"name": "default", "tasks": {}}, "created": "now", "reasons": [], "gates": [], "steps": {},
               "reading": reading([], None, seq), "eval": {"summarization": {"items": 16, "summary": {"rougeL": fig}}},
               "inputs": {}, "versions": {}, "machine": {}}
-    md = markdown(report)
+    md = markdown(SignoffReport.from_json(report))
     assert "| CI (look error 0.81%) |" in md and "95% CI" not in md
     assert "wrong with probability at most 5% over its 4 looks" in md and "K x 5%" not in md

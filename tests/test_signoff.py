@@ -16,7 +16,7 @@ from qtoolkit.quantize.recipe import load_recipe
 from qtoolkit.quantize.report import QuantizeReport, QuantizeSummary
 from qtoolkit.signoff.gates import EXIT_CODES, overall
 from qtoolkit.signoff.policy import load_policy
-from qtoolkit.signoff.run import _Run
+from qtoolkit.signoff.run import SignoffRun
 from qtoolkit.signoff.steps import SignoffConfig
 from qtoolkit.signoff.sweep import Candidate, _local_judge
 
@@ -232,7 +232,7 @@ def test_sweep_over_recipes_keeps_single_verdicts_generates_the_baseline_once_an
                                                          output=str(out / "candidates" / "int4-rtn"), limit=2,
                                                          max_items=2))
     policy = load_policy("default")
-    c.run = _Run(c.cfg, policy, load_recipe("int4-rtn"), resolve_model(str(tiny_model_dir)), c.folder, None,
+    c.run = SignoffRun(c.cfg, policy, load_recipe("int4-rtn"), resolve_model(str(tiny_model_dir)), c.folder, None,
                  quant=QuantizeReport.load(c.folder / "checkpoint" / "quantize_report.json"))
     judge = _local_judge(policy)
     full, third = judge(c, 0.05), judge(c, 0.05 / 3)

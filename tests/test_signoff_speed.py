@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from qtoolkit.bench.ablation import AblationRow, speed_pair
+from qtoolkit.bench.ablation import AblationBench, AblationRow, speed_pair
 from qtoolkit.bench.loop import TierRecord
 from qtoolkit.signoff.judge import evaluate_gates
 from qtoolkit.signoff.policy import Policy, load_policy
@@ -19,7 +19,7 @@ PAIR = ["baseline_continuous_spec", "candidate_continuous_spec"]
 
 
 def _bench(tpot: dict[int, tuple[list, list]], ttft: dict[int, tuple[list, list]] | None = None,
-           looks=(3, 5, 7, 9), rounds: int | None = None) -> dict:
+           looks=(3, 5, 7, 9), rounds: int | None = None) -> AblationBench:
     tiers = []
     for c, (base, cand) in tpot.items():
         tb, tc = (ttft or {}).get(c, ([0.1] * len(base), [0.1] * len(cand)))
@@ -27,11 +27,11 @@ def _bench(tpot: dict[int, tuple[list, list]], ttft: dict[int, tuple[list, list]
                       "rounds": {PAIR[0]: [10.0] * len(base), PAIR[1]: [10.0] * len(cand)},
                       "rounds_tpot": {PAIR[0]: base, PAIR[1]: cand}, "rounds_ttft": {PAIR[0]: tb, PAIR[1]: tc}})
     n = rounds or len(next(iter(tpot.values()))[0])
-    return {"tiers": tiers, "config": {"rounds": looks[0]},
-            "speed_rounds": {"pair": PAIR, "looks": list(looks), "rounds": n}}
+    return AblationBench.from_json({"tiers": tiers, "config": {"rounds": looks[0]},
+                                    "speed_rounds": {"pair": PAIR, "looks": list(looks), "rounds": n}})
 
 
-def _gates(bench: dict, policy: Policy | None = None) -> dict:
+def _gates(bench: AblationBench, policy: Policy | None = None) -> dict:
     return {g.name: g for g in evaluate_gates(policy or load_policy("default"), None, None, None, bench)
             if g.task == "throughput"}
 

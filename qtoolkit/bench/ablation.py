@@ -81,13 +81,53 @@ def speed_pair(labels: list[str]) -> tuple[str, str]:
 
 
 @dataclass(frozen=True)
+class SpeedRounds:
+    """bench.json's `speed_rounds`: the speed gates' pair, the planned round counts of its looks and the rounds
+    it served (at every tier)."""
+
+    pair: list[str]
+    looks: list[int]
+    rounds: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pair": list(self.pair), "looks": list(self.looks), "rounds": self.rounds}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SpeedRounds:
+        return cls(list(d["pair"]), list(d.get("looks") or ()), d.get("rounds"))
+
+
+@dataclass(frozen=True)
+class AblationBench:
+    """bench.json of a local sign-off as the gates read it: every tier with its paired rounds, the systems, the
+    rounds configured and the speed gates' further looks (the rest of the file is provenance)."""
+
+    tiers: list[TierRecord]
+    systems: list[str] = field(default_factory=list)
+    rounds: int | None = None  # config.rounds: every system's rounds at every tier (the speed gates' first look)
+    speed_rounds: SpeedRounds | None = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> AblationBench:
+        config = d.get("config")
+        speed = d.get("speed_rounds")
+        return cls([TierRecord.from_json(t) for t in d.get("tiers") or []],
+                   list(config.get("systems") or []) if config else [], config.get("rounds") if config else None,
+                   SpeedRounds.from_json(speed) if speed else None)
+
+    @property
+    def table(self) -> AblationTable:
+        return AblationTable([AblationRow.from_tier(t) for t in self.tiers], list(self.systems))
+
+
+@dataclass(frozen=True)
 class SpeedLooks:
     """Rounds added until the speed gates decide: `looks` are the planned round counts of the pair at every tier
     (the first is the ablation's own --rounds); after each look `decided(bench)` says whether to stop, `bench`
-    holding bench.json's `tiers` and `speed_rounds` so far. The caller (the sign-off) sets each look's level."""
+    holding the tiers and the speed gates' rounds so far. The caller (the sign-off) sets each look's level."""
 
     looks: tuple[int, ...]
-    decided: Callable[[dict[str, Any]], bool]
+    decided: Callable[[AblationBench], bool]
 
 
 def _mode(system: System, engine: EngineConfig) -> dict[str, Any]:
@@ -238,16 +278,17 @@ def _speed_rounds(bench: _Bench, loop: TierLoop, shared: list[Tier], own: list[T
     pair = list(speed_pair(labels))
     measured = bench.rounds
 
-    def so_far() -> dict[str, Any]:
-        return {"pair": pair, "looks": list(bench.speed.looks), "rounds": measured}
+    def so_far() -> SpeedRounds:
+        return SpeedRounds(pair, list(bench.speed.looks), measured)
 
     for target in bench.speed.looks[1:]:
-        if bench.speed.decided({"tiers": _merge(shared, own, labels), "speed_rounds": so_far()}):
+        tiers = [TierRecord.from_json(t) for t in _merge(shared, own, labels)]
+        if bench.speed.decided(AblationBench(tiers, labels, bench.rounds, so_far())):
             break
         status(f"speed gates undecided after {measured} rounds: {target} rounds of {' and '.join(pair)}")
         loop.more_rounds(own, pair, target)
         measured = target
-    return so_far()
+    return so_far().to_json()
 
 
 def bench_ablation(baseline: str | Path, candidate: str | Path, engine: EngineConfig | None = None, *,
@@ -383,6 +424,11 @@ class AblationTable:
     tiers: list[AblationRow]
     systems: list[str] = field(default_factory=list)
 
+    @property
+    def top(self) -> AblationRow | None:
+        """The highest concurrency tier, where the older throughput gates judge."""
+        return self.tiers[-1] if self.tiers else None
+
     def to_json(self) -> dict[str, Any]:
         return {"tiers": [t.to_json() for t in self.tiers], "systems": list(self.systems)}
 
@@ -395,8 +441,3 @@ class AblationTable:
         """The table of a bench_ablation result (as written to bench.json)."""
         tiers = [AblationRow.from_tier(TierRecord.from_json(t)) for t in bench["tiers"]]
         return cls(tiers, list(bench["config"]["systems"]))
-
-
-def ablation_table(bench: dict[str, Any]) -> dict[str, Any]:
-    """The ablation table's JSON (what the sign-off's report and throughput gates read)."""
-    return AblationTable.from_bench(bench).to_json()

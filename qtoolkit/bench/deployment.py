@@ -77,6 +77,10 @@ class EndpointFigures:
     tpot_p50_s: float | None
 
     @classmethod
+    def from_json(cls, d: dict[str, Any]) -> EndpointFigures:
+        return cls(**d)
+
+    @classmethod
     def from_summary(cls, r: dict[str, Any]) -> EndpointFigures:
         """From a tier result: _measure's summary (load_client.summarize's figures, endpoint and model id)."""
         return cls(r["endpoint"], r["model_id"], r["output_tok_per_s"], r["requests_per_s"], r["completed"],
@@ -95,6 +99,9 @@ class ThroughputRow:
     endpoints: dict[str, EndpointFigures]  # role -> figures
     total_speedup: float | None
     total_speedup_rounds: dict[str, Any] | None = None  # ratio_over_rounds' figures
+    # two endpoints are two fixed configurations: quantization alone (same engine, static batching) is not theirs
+    quantization_speedup: None = None
+    quantization_speedup_rounds: None = None
 
     @classmethod
     def from_tier(cls, tier: TierRecord) -> ThroughputRow:
@@ -112,9 +119,35 @@ class ThroughputRow:
             out["total_speedup_rounds"] = self.total_speedup_rounds
         return out
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ThroughputRow:
+        return cls(int(d["concurrency"]), int(d["num_requests"]),
+                   {r: EndpointFigures.from_json(e) for r, e in d["endpoints"].items()}, d.get("total_speedup"),
+                   d.get("total_speedup_rounds"))
 
-def throughput_table(bench: dict[str, Any]) -> dict[str, Any]:
+
+@dataclass(frozen=True)
+class ThroughputTable:
     """Per tier: candidate ÷ baseline output tok/s (and over rounds at the top tier), in the shape the throughput
     gate reads: the candidate deployment is the full stack, the baseline deployment what it replaces."""
-    rows = [ThroughputRow.from_tier(TierRecord.from_json(t)).to_json() for t in bench["tiers"]]
-    return {"tiers": rows, "workload_sha256": bench["inputs"]["workload_sha256"]}
+
+    tiers: list[ThroughputRow]
+    workload_sha256: str
+
+    @property
+    def top(self) -> ThroughputRow | None:
+        """The highest concurrency tier, where the throughput gate judges."""
+        return self.tiers[-1] if self.tiers else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tiers": [t.to_json() for t in self.tiers], "workload_sha256": self.workload_sha256}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ThroughputTable:
+        return cls([ThroughputRow.from_json(t) for t in d["tiers"]], d["workload_sha256"])
+
+
+def throughput_table(bench: dict[str, Any]) -> ThroughputTable:
+    """The table of a bench_deployments result (as written to bench.json)."""
+    return ThroughputTable([ThroughputRow.from_tier(TierRecord.from_json(t)) for t in bench["tiers"]],
+                           bench["inputs"]["workload_sha256"])

@@ -41,7 +41,8 @@ def checkpoint_kv_dtype(checkpoint: str | Path) -> str | None:
     config = Path(checkpoint) / "config.json"
     if not config.is_file():
         return None
-    scheme = (json.loads(config.read_text()).get("quantization_config") or {}).get("kv_cache_scheme")
+    quantization = json.loads(config.read_text()).get("quantization_config")  # Hugging Face's config.json
+    scheme = quantization.get("kv_cache_scheme") if quantization else None
     if not scheme:
         return None
     return "fp8" if scheme.get("type", "float") == "float" else "int8"

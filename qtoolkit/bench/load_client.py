@@ -40,7 +40,8 @@ def request_body(model: str, req: BenchRequest, *, api: str, ignore_eos: bool) -
 def _chunk_text(choice: dict[str, Any]) -> str:
     if "text" in choice:
         return choice["text"] or ""
-    return (choice.get("delta") or {}).get("content") or ""
+    delta = choice.get("delta")  # a chat chunk; the wire format's own shape
+    return (delta.get("content") if delta else None) or ""
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], index: int) -> RequestResult:

@@ -11,6 +11,7 @@ from typing import Any
 from qtoolkit.evals.stats.paired import ratio_over_rounds
 
 from ..progress import status
+from .summary import Distribution
 from .types import BenchRequest, Workload
 from .workloads import as_workload
 
@@ -50,8 +51,8 @@ class Tier:
         """One more round of `label` (load_client.summarize's dict)."""
         # a summary without latencies (HF generate's) has no TPOT / TTFT: None, which no speed gate passes on
         for name, value in (("rounds", summary["output_tok_per_s"]),
-                            ("rounds_tpot", (summary.get("tpot_s") or {}).get("p50")),
-                            ("rounds_ttft", (summary.get("ttft_s") or {}).get("p50"))):
+                            ("rounds_tpot", Distribution.from_json(summary.get("tpot_s")).p50),
+                            ("rounds_ttft", Distribution.from_json(summary.get("ttft_s")).p50)):
             if getattr(self, name) is None:
                 setattr(self, name, {})
             getattr(self, name).setdefault(label, []).append(value)

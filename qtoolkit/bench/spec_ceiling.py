@@ -24,6 +24,7 @@ from ..engine.params import SpeculativeUsage
 from ..engine.speculative.policy import SpeculationPolicy
 from ..engine.stats import SpeculativeStats
 from ..server.metrics import parse_speculative
+from .summary import Distribution
 
 
 async def _get_metrics(base_url: str, api_key: str | None) -> str | None:
@@ -137,5 +138,5 @@ def speculation_ceiling(engine: TierSpeculation, *, num_speculative_tokens: int,
 
 def prefill_share(result: dict[str, Any]) -> float | None:
     """Share of a request's time before its first token, from a tier summary at concurrency 1."""
-    ttft, latency = (result.get("ttft_s") or {}).get("mean"), (result.get("latency_s") or {}).get("mean")
+    ttft, latency = Distribution.from_json(result.get("ttft_s")).mean, Distribution.from_json(result.get("latency_s")).mean
     return ttft / latency if ttft and latency else None

@@ -9,7 +9,6 @@ a gate resting on it has `state="not measurable"` (and `passed=False`, so it can
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 from qtoolkit.evals.runner import EvalConfig, evaluate
 
-from ..bench.deployment import bench_deployments, throughput_table
+from ..bench.deployment import ThroughputTable, bench_deployments, throughput_table
 from ..endpoints.deployment import Deployment, EndpointInfo, endpoint, probe
 from ..endpoints.identity import EndpointIdentity, fingerprint, settle
 from ..errors import QToolError
@@ -32,8 +31,8 @@ from . import workload as custom_signoff
 from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
-from .sequential import describe, draw_until_decisive
-from .steps import SignoffConfig, StepRunner
+from .sequential import eval_step
+from .steps import SignoffConfig, StepRunner, load_output
 from .verdict import DeploymentSection, Evidence, NotMeasurable, decide
 
 STEPS = ("checkpoint", "eval", "bench")
@@ -143,8 +142,6 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
     inputs = {**identity, "tasks": tasks, "limit": cfg.limit, "seed": cfg.seed}
     if cfg.data:  # an edited workload file is other evidence: its hash is in the key, as in the local sign-off
         inputs["data"] = custom_signoff.data_inputs(cfg.data)
-    if cfg.max_items and cfg.max_items > cfg.limit:  # how many items get drawn depends on the quality bounds
-        inputs |= {"max_items": cfg.max_items, "quality_bounds": policy.model_dump()["tasks"]}
 
     def run(items: int, overwrite: bool, only: list[str] | None) -> None:
         evaluate(EvalConfig(
@@ -161,20 +158,10 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
         return undecided_and_failed(custom_signoff.gate_policy(policy, evals, cfg.data), evals,
                                     skip=lambda g: _unmeasurable_gate(g, evals, None) is not None)
 
-    resume = steps.interrupted("eval", inputs)
-
-    def do_eval() -> None:
-        looks = draw_until_decisive(run, judge, cfg.limit, cfg.max_items, resume=resume)
-        write_json(out / "sequential.json", describe(looks, cfg.max_items))
-
-    return steps.run("eval", inputs, out / "eval.json", do_eval)
+    return eval_step(steps, out, inputs, policy, cfg.limit, cfg.max_items, run, judge)
 
 
-def _load(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def judge_deployment(cfg: SignoffConfig, policy: Policy, evals: EvalResults | None, table: dict[str, Any] | None,
+def judge_deployment(cfg: SignoffConfig, policy: Policy, evals: EvalResults | None, table: ThroughputTable | None,
            quant: QuantizeReport | None) -> tuple[list[Gate], list[NotMeasurable]]:
     """The gates, those the endpoints cannot give marked `not measurable` (INCONCLUSIVE, never passed), and
     what the report lists as not measurable: the engine-only figures, the figures the endpoints could not score,
@@ -199,10 +186,10 @@ def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, Endpo
     out = Path(cfg.output)
     steps = {n: results.get(n, {}) for n in STEPS}
     evals = EvalResults.load(out / "eval.json") if steps["eval"].get("status") == "ok" else None
-    bench = _load(out / "bench.json") if steps["bench"].get("status") == "ok" else None
+    bench = load_output(out / "bench.json") if steps["bench"].get("status") == "ok" else None
     table = throughput_table(bench) if bench else None
     gates, not_measurable = judge_deployment(cfg, policy, evals, table, quant)
-    evidence = Evidence(steps, gates, evals, _load(out / "sequential.json"), quant)
+    evidence = Evidence(steps, gates, evals, load_output(out / "sequential.json"), quant.summary if quant else None)
     deployment = DeploymentSection({r: asdict(i) for r, i in infos.items()}, table, not_measurable)
     # the recipe the served checkpoint was made with, as its quantize_report.json says
     config = {**asdict(cfg), "recipe": cfg.recipe or (quant.recipe.name if quant else None)}

@@ -11,9 +11,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ..bench.ablation import AblationBench, AblationTable
+from ..bench.deployment import ThroughputTable
 from ..evals.results import EvalResults
 from ..evals.summary import RoundsRatio
-from ..quantize.report import QuantizeReport
+from ..quantize.report import QuantizeReport, QuantizeSummary
 from . import gates as verdicts
 from .policy import METRICS, Policy, metric_figure, read_metric
 from .speed import judge_speed, speed_gate_name, speed_ratios
@@ -77,9 +79,10 @@ def undecided_and_failed(policy: Policy, evals: EvalResults | None,
             [g for g in quality if g.verdict == verdicts.FAIL])
 
 
-def evaluate_gates(policy: Policy, evals: EvalResults | None, ablation: dict[str, Any] | None,
-                   quant: QuantizeReport | None, bench: dict[str, Any] | None = None) -> list[Gate]:
-    """Every gate of the policy; `bench` (bench.json) feeds the speed gates (qtoolkit/signoff/speed.py)."""
+def evaluate_gates(policy: Policy, evals: EvalResults | None, table: AblationTable | ThroughputTable | None,
+                   quant: QuantizeReport | QuantizeSummary | None, bench: AblationBench | None = None) -> list[Gate]:
+    """Every gate of the policy: `table` (the local ablation, or the two deployments' throughput) feeds the
+    older throughput gates, `bench` (bench.json) the speed gates (qtoolkit/signoff/speed.py)."""
     gates: list[Gate] = []
     for task, bounds in policy.tasks.items():
         summary = None if evals is None else evals.summary(task)
@@ -94,16 +97,18 @@ def evaluate_gates(policy: Policy, evals: EvalResults | None, ablation: dict[str
                                        max_=bound.max, min_=bound.min, min_share=bound.min_baseline_share,
                                        required=bound.required)
             gates.append(Gate.of(task, metric_name, j, point, judged))
-    tiers = (ablation or {}).get("tiers") or []
-    top = tiers[-1] if tiers else {}  # throughput is judged at the highest concurrency tier
-    where = f" at concurrency {top['concurrency']}" if top else ""
-    for attr, key in (("min_speedup", "total_speedup"), ("min_quantization_speedup", "quantization_speedup")):
+    top = table.top if table is not None else None  # throughput is judged at the highest concurrency tier
+    where = f" at concurrency {top.concurrency}" if top else ""
+    figures = {"min_speedup": (top.total_speedup, top.total_speedup_rounds) if top else (None, None),
+               "min_quantization_speedup": (top.quantization_speedup, top.quantization_speedup_rounds) if top
+               else (None, None)}
+    for attr, (figure, over_rounds) in figures.items():
         limit = getattr(policy.throughput, attr)
         if limit is None:
             continue
-        point = judged = top.get(key)
+        point = judged = figure
         how, lo, hi = "", None, None
-        rounds = RoundsRatio.from_json(top.get(f"{key}_rounds"))
+        rounds = RoundsRatio.from_json(over_rounds)
         if rounds is not None and rounds.ci.complete:  # like the quality gates: the CI end worst for the candidate
             lo, hi = rounds.ci.bounds
             point, judged = rounds.ratio, lo
@@ -119,7 +124,7 @@ def evaluate_gates(policy: Policy, evals: EvalResults | None, ablation: dict[str
             j = verdicts.with_interval_method(j, rounds.ci.method, rounds.ci.coverage, rounds.ci.reliable, "rounds")
         gates.append(Gate.of("throughput", attr, j, point, judged))
     if policy.throughput.min_decode_speedup is not None or policy.throughput.prefill_margin is not None:
-        for fig in speed_ratios(bench or {}, policy):
+        for fig in speed_ratios(bench, policy):
             gates.append(Gate.of("throughput", speed_gate_name(fig), judge_speed(fig, policy), fig.ratio,
                                  fig.ci[0] if fig.complete and fig.ci else None))
     t = quant.totals if quant else None

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from ..errors import DataError
 from ..evals.results import EvalResults
 from ..evals.summary import PairedDelta, TaskSummary, figure_from_json
-from .report import _png, plot_kld
+from .report import plot_kld, png
 
 
 def eval_kld_values(evals: EvalResults) -> dict[str, list[float]]:
@@ -56,7 +56,7 @@ def plot_eval_deltas(evals: EvalResults) -> str | None:
         ax.grid(axis="x", alpha=0.3)
     axes[0, 0].set_title("Candidate - baseline, paired 95% CI (dashed = no change)")
     fig.tight_layout()
-    return _png(fig)
+    return png(fig)
 
 
 def plot_bench(data: dict[str, Any]) -> dict[str, str | None]:
@@ -80,7 +80,7 @@ def plot_bench(data: dict[str, Any]) -> dict[str, str | None]:
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, marker="o", label=system)
         _concurrency_axes(ax, label, title)
-        plots[key.removesuffix("_ms").replace("median_", "")] = _png(fig)
+        plots[key.removesuffix("_ms").replace("median_", "")] = png(fig)
     if ratios := _bench_ratios_over_rounds(tiers):
         plots["ratios"] = ratios
     return plots
@@ -104,7 +104,7 @@ def _bench_ratios_over_rounds(tiers: list[dict[str, Any]]) -> str | None:
         ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=key)
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     _concurrency_axes(ax, "ratio of output tokens/s", "Ratios over rounds, 95% CI")
-    return _png(fig)
+    return png(fig)
 
 
 def _concurrency_axes(ax: Any, ylabel: str, title: str) -> None:

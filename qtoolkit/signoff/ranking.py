@@ -15,13 +15,14 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from ..bench.memory import PeakMemory
 from ..io import write_json, write_text
 from ..provenance import provenance
 from . import gates as verdicts
 from .family import NAME as FAMILY_METHOD
 from .judge import Gate
 from .policy import Policy
-from .report import _cell, _fmt, _png, html_report
+from .report import fmt, html_report, png, table_cell
 from .speed import speed_limit
 from .steps import SignoffConfig
 
@@ -60,7 +61,8 @@ def limit_fraction(g: Gate, policy: Policy) -> float | None:
     if g.task == "memory":
         limit = getattr(policy.memory, g.metric, None)
         return g.judged / limit if limit else None
-    bound = (policy.tasks.get(g.task) or policy.tasks.get("custom") or {}).get(g.metric)
+    bounds = policy.tasks.get(g.task) or policy.tasks.get("custom")  # a workload file's task: the custom bounds
+    bound = bounds.get(g.metric) if bounds else None
     if bound is None:
         return None
     if bound.max is not None and bound.max > 0:
@@ -102,7 +104,7 @@ def recommendation(rows: list[Row]) -> tuple[str | None, str, int]:
     if ship:
         r = ship[0]
         return r.name, (f"ship `{r.name}`: the cheapest candidate that passes every gate (linear weights "
-                        f"{_fmt(r.linear_ratio, 3)}x of bf16{_speed(r)}; judged at {r.family_alpha:.2%} of the 5% "
+                        f"{fmt(r.linear_ratio, 3)}x of bf16{_speed(r)}; judged at {r.family_alpha:.2%} of the 5% "
                         "family-wise error)"), 0
     alone = [r for r in rows if r.verdict == verdicts.PASS]
     judged = [r for r in rows if r.verdict != verdicts.ERROR]
@@ -130,11 +132,11 @@ def _speed(r: Row) -> str:
     if not r.throughput:
         return ""
     ci = r.throughput.get("ci")
-    ci_text = f" [{_fmt(ci[0], 3)}, {_fmt(ci[1], 3)}]" if ci else ""
+    ci_text = f" [{fmt(ci[0], 3)}, {fmt(ci[1], 3)}]" if ci else ""
     if r.throughput.get("what") == "decode":  # the speed gates' figure: per-stream decode, same serving config
-        return (f", decodes {_fmt(r.throughput.get('ratio'), 3)}x{ci_text} as fast per stream at "
+        return (f", decodes {fmt(r.throughput.get('ratio'), 3)}x{ci_text} as fast per stream at "
                 f"c={r.throughput.get('concurrency')}")
-    return f", full stack {_fmt(r.throughput.get('ratio'), 3)}x{ci_text} the baseline's throughput"
+    return f", full stack {fmt(r.throughput.get('ratio'), 3)}x{ci_text} the baseline's throughput"
 
 
 def pareto_plot(rows: list[Row]) -> str | None:
@@ -154,19 +156,19 @@ def pareto_plot(rows: list[Row]) -> str | None:
     ax.set_xlabel("linear weight bytes / bf16 (cost)")
     ax.set_ylabel("worst quality gate: CI end / its limit")
     ax.set_title("candidates: cost against quality (1 = on the limit; x = does not pass)")
-    return _png(fig)
+    return png(fig)
 
 
-def _markdown(data: dict[str, Any], rows: list[Row]) -> str:
-    lines = [f"# Release sign-off over {len(rows)} candidates: {data['verdict']}", "", f"**{data['line']}**", "",
+def _markdown(verdict: str, line: str, rows: list[Row], peak: PeakMemory) -> str:
+    lines = [f"# Release sign-off over {len(rows)} candidates: {verdict}", "", f"**{line}**", "",
              "| rank | candidate | verdict | at its family share | linear bytes vs bf16 | speed vs baseline "
              "(decode per stream, same serving config; else full stack) | worst gate | its CI end / limit |", "|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(ranked(rows), 1):
         tp = (_speed(r).removeprefix(", full stack ").removesuffix(" the baseline's throughput")
               .removeprefix(", decodes ") or "-")
-        lines.append(f"| {i} | `{_cell(r.name)}` | {r.verdict} | {r.family_verdict} at {r.family_alpha:.2%} | "
-                     f"{_fmt(r.linear_ratio, 3)} | {_cell(tp)} | {_cell(r.worst_gate or '-')} | "
-                     f"{_fmt(r.worst_fraction, 3)} |")
+        lines.append(f"| {i} | `{table_cell(r.name)}` | {r.verdict} | {r.family_verdict} at {r.family_alpha:.2%} | "
+                     f"{fmt(r.linear_ratio, 3)} | {table_cell(tp)} | {table_cell(r.worst_gate or '-')} | "
+                     f"{fmt(r.worst_fraction, 3)} |")
     lines += ["", f"Family-wise error: {FAMILY_METHOD}. A candidate's verdict is its single sign-off's (gates at 95%); "
               "the recommendation reads the same evidence again at the candidate's share, so the chance that any "
               "false PASS reaches it is at most 5% (simulated with three candidates on the bound: "
@@ -175,11 +177,11 @@ def _markdown(data: dict[str, Any], rows: list[Row]) -> str:
               "`qtool signoff` refuses a sweep's candidate folder, and a fresh folder would judge at a full 5% a "
               "candidate chosen after seeing the others.", "",
               f"Peak memory of the whole process tree (this process, its servers and sandboxes): "
-              f"{data['peak_memory']['rss_bytes'] / 2**30:.2f} GiB summed over {data['peak_memory']['processes']} "
+              f"{peak.rss_bytes / 2**30:.2f} GiB summed over {peak.processes} "
               "processes at its peak.", ""]
     for r in rows:
         if r.error:
-            lines.append(f"- `{r.name}` could not be judged: {_cell(r.error)}")
+            lines.append(f"- `{r.name}` could not be judged: {table_cell(r.error)}")
     for r in rows:
         md = Path(r.folder) / "report.md"
         if r.folder and md.is_file():  # the candidate's own report, its headings one level down
@@ -189,7 +191,7 @@ def _markdown(data: dict[str, Any], rows: list[Row]) -> str:
 
 
 def write_sweep_reports(out: Path, cfg: SignoffConfig, policy: Policy, rows: list[Row], recipes: list[str],
-                        model: dict[str, Any], peak: dict[str, Any]) -> dict[str, Any]:
+                        model: dict[str, Any], peak: PeakMemory) -> dict[str, Any]:
     name, line, code = recommendation(rows)
     verdict = RECOMMENDED if name else next(v for v, c in verdicts.EXIT_CODES.items() if c == code)
     data = {**provenance(model=model, policy={"name": policy.name, "path": policy.source},
@@ -198,11 +200,11 @@ def write_sweep_reports(out: Path, cfg: SignoffConfig, policy: Policy, rows: lis
             "family_wise": {"method": FAMILY_METHOD, "alpha": 0.05},
             "candidates": [r.to_json() | {"report": str(Path("candidates") / r.name / "report.html")}
                            for r in rows],
-            "ranking": [r.name for r in ranked(rows)], "peak_memory": peak,
+            "ranking": [r.name for r in ranked(rows)], "peak_memory": peak.to_json(),
             "config": {k: v for k, v in cfg.__dict__.items() if k != "baseline_generations"}}
-    md = _markdown(data, rows)
+    md = _markdown(verdict, line, rows, peak)
     write_json(out / "report.json", data)
     write_text(out / "report.md", md)
-    html = html_report({"verdict": "PASS" if name else verdict}, md, {"pareto": pareto_plot(rows)})
+    html = html_report("PASS" if name else verdict, md, {"pareto": pareto_plot(rows)})
     write_text(out / "report.html", html)
     return data

@@ -19,7 +19,7 @@ from markdown_it import MarkdownIt
 from markupsafe import Markup
 from matplotlib.figure import Figure
 
-from ..bench.kv_layer import KVLayerRow
+from ..bench.ablation import AblationTable
 from ..diagnose.result import DiagnoseResult
 from ..evals.results import EvalResults
 from ..evals.summary import RoundsRatio, TaskSummary
@@ -29,8 +29,8 @@ from .judge import Gate
 from .policy import Policy
 from .report_deployment import deployment_lines
 from .sequential import design_of
-from .speed import SpeedRatio, speed_answer
-from .verdict import SignoffReport
+from .speed import speed_answer
+from .verdict import KVLayerSection, SignoffReport
 
 _STATUS = {True: "PASS", False: "FAIL"}
 _COLORS = {"PASS": "#1a7f37", "FAIL": "#cf222e", "INCONCLUSIVE": "#9a6700"}
@@ -44,12 +44,12 @@ def _verdict(g: Gate) -> str:
     return "no evidence" + ("" if g.required else " (not required)") if v == "NO EVIDENCE" else v
 
 
-def _cell(v: Any) -> str:
+def table_cell(v: Any) -> str:
     """Text for a Markdown table cell: a `|` would end the cell and a newline the row."""
     return str(v).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
 
 
-def _fmt(v: Any, digits: int = 4) -> str:
+def fmt(v: Any, digits: int = 4) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -58,23 +58,22 @@ def _fmt(v: Any, digits: int = 4) -> str:
 
 
 # ---- plots ---------------------------------------------------------------------------------------------------
-def _png(fig: Figure) -> str:
+def png(fig: Figure) -> str:
     """A figure as base64 PNG; figures are built without pyplot, so no GUI backend and no global state."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def plot_throughput(report: dict[str, Any]) -> str | None:
-    ab = report.get("ablation")
-    if not ab or not ab["tiers"]:
+def plot_throughput(ablation: AblationTable | None) -> str | None:
+    if ablation is None or not ablation.tiers:
         return None
     fig = Figure(figsize=(6.5, 3.6))
     ax = fig.subplots()
     series: dict[str, list[tuple[int, float]]] = {}
-    for tier in ab["tiers"]:
-        for step in tier["steps"]:
-            series.setdefault(step["label"], []).append((tier["concurrency"], step["output_tok_per_s"]))
+    for tier in ablation.tiers:
+        for step in tier.steps:
+            series.setdefault(step.label, []).append((tier.concurrency, step.output_tok_per_s))
     for label, pts in series.items():
         xs, ys = zip(*pts, strict=True)
         ax.plot(xs, ys, marker="o", label=label)
@@ -84,7 +83,7 @@ def plot_throughput(report: dict[str, Any]) -> str | None:
     ax.set_title("Throughput per ablation step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 def plot_quality(gates: list[Gate], policy: Policy) -> str | None:
@@ -106,7 +105,7 @@ def plot_quality(gates: list[Gate], policy: Policy) -> str | None:
         ax.grid(axis="x", alpha=0.3)
     axes[0, 0].set_title("Quality: point estimate to the judged CI bound, dashed = policy limit")
     fig.tight_layout()
-    return _png(fig)
+    return png(fig)
 
 
 def plot_kld(eval_records: dict[str, list[float]]) -> str | None:
@@ -122,14 +121,12 @@ def plot_kld(eval_records: dict[str, list[float]]) -> str | None:
     ax.set_ylabel("tokens")
     ax.set_title("KLD of candidate vs baseline next-token distributions")
     ax.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
-def plot_memory(report: dict[str, Any]) -> str | None:
-    q = report.get("quantize")
-    if not q:
+def plot_memory(s: QuantizeSummary | None) -> str | None:
+    if s is None:
         return None
-    s = QuantizeSummary.from_json(q)
     t = s.totals
     labels = ["source (fp32)", "bf16", f"{s.recipe.name}"]
     values = [t.linear_source_bytes / 2**20, t.linear_bf16_bytes / 2**20, t.linear_quantized_bytes / 2**20]
@@ -139,13 +136,12 @@ def plot_memory(report: dict[str, Any]) -> str | None:
     ax.bar_label(bars, fmt="%.1f MiB", fontsize=8)
     ax.set_xlabel("Linear-layer weight bytes (MiB)")
     ax.set_title("Memory: weights of the quantized layers")
-    return _png(fig)
+    return png(fig)
 
 
-def plot_roofline(report: dict[str, Any]) -> str | None:
-    if not report.get("diagnose"):
+def plot_roofline(d: DiagnoseResult | None) -> str | None:
+    if d is None:
         return None
-    d = DiagnoseResult.from_json(report["diagnose"])
     fig = Figure(figsize=(6.5, 3.4))
     ax = fig.subplots()
     batches = [r.batch for r in d.decode]
@@ -162,7 +158,7 @@ def plot_roofline(report: dict[str, Any]) -> str | None:
     ax.set_title(f"Roofline on this machine: bottleneck = {d.bottleneck}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
-    return _png(fig)
+    return png(fig)
 
 
 def kld_values(folder: Path) -> dict[str, list[float]]:
@@ -186,85 +182,87 @@ def _method_cell(gate: Gate) -> str:
     return f" ({gate.ci_method}{'' if cov is None else f', simulated coverage {cov:.1%}'})"
 
 
-def look_level(cfg: dict[str, Any], items: int | None) -> float:
+def look_level(limit: int | None, max_items: int | None, items: int | None) -> float:
     """The confidence level (in %) of the look that drew `items`: the error-spending design of the sign-off's
     --limit and --max-items (qtoolkit/signoff/error_spending.py); 95 when judged once."""
-    limit = cfg.get("limit")
     if not limit or not items:
         return 95.0
-    return 100 * design_of(limit, cfg.get("max_items")).level_at(items)
+    return 100 * design_of(limit, max_items).level_at(items)
 
 
 # ---- text ----------------------------------------------------------------------------------------------------
-def markdown(report: dict[str, Any]) -> str:
-    cfg = report["config"]
-    lines = [f"# Release sign-off: {report['verdict']}", "",
-             f"Model `{cfg['model']}` with recipe `{cfg['recipe']}` under policy `{report['policy']['name']}` "
-             f"({report['created']}).", ""]
-    speed = (report.get("ablation") or {}).get("speed") or {}
-    lines += speed_answer([SpeedRatio.from_json(f) for f in speed.get("figures") or []], speed.get("pair"))
-    if report["reasons"]:
-        why = {"FAIL": "Why it fails", "INCONCLUSIVE": "Why it is inconclusive"}.get(report["verdict"], "Why")
-        lines += [f"## {why}", ""] + [f"- {r}" for r in report["reasons"]] + [""]
+def markdown(report: SignoffReport) -> str:
+    """report.md: the verdict and why, the gates, the steps, then each section the evidence holds."""
+    cfg, ev = report.config, report.evidence
+    lines = [f"# Release sign-off: {report.verdict}", "",
+             f"Model `{cfg['model']}` with recipe `{cfg['recipe']}` under policy `{report.policy.name}` "
+             f"({report.provenance.get('created')}).", ""]
+    lines += speed_answer(ev.speed.figures if ev.speed else [], ev.speed.pair if ev.speed else None)
+    if report.reasons:
+        why = {"FAIL": "Why it fails", "INCONCLUSIVE": "Why it is inconclusive"}.get(report.verdict, "Why")
+        lines += [f"## {why}", ""] + [f"- {r}" for r in report.reasons] + [""]
     lines += ["## Gates", "", "| gate | result | point | judged (CI bound) | detail | could detect |",
               "|---|---|---|---|---|---|"]
-    lines += [f"| {g.name} | {_verdict(g)} | {_fmt(g.point)} | {_fmt(g.judged)} | {_cell(g.detail)} | "
-              f"{_cell(g.resolution)}{_method_cell(g)} |"
-              for g in map(Gate.from_json, report["gates"])]
-    if report.get("reading"):
-        lines += ["", "## How to read this verdict", ""] + [f"- {n}" for n in report["reading"]]
+    lines += [f"| {g.name} | {_verdict(g)} | {fmt(g.point)} | {fmt(g.judged)} | {table_cell(g.detail)} | "
+              f"{table_cell(g.resolution)}{_method_cell(g)} |" for g in report.gates]
+    if report.reading:
+        lines += ["", "## How to read this verdict", ""] + [f"- {n}" for n in report.reading]
     lines += ["", "## Steps", "", "| step | status | seconds | note |", "|---|---|---|---|"]
-    for name, s in report["steps"].items():
+    for name, s in ev.steps.items():  # steps.json's entries
         note = s.get("error") or s.get("reason") or ("reused" if s.get("skipped") else "")
-        lines.append(f"| {name} | {s.get('status')} | {_fmt(s.get('seconds'))} | {_cell(note)} |")
-    lines += deployment_lines(report)  # endpoints, their bench tiers, what they cannot give (deployment sign-off)
-    ab = report.get("ablation")
-    if ab:
-        lines += ["", "## Ablation: output tok/s per layer (marginal gain over the layer above)", ""]
-        for tier in ab["tiers"]:
-            alone = ", ".join(f"{k} {v:.2f}x" for k, v in tier["alone_speedup"].items()) or "-"
-            lines.append(f"**concurrency {tier['concurrency']}** — stacked {_fmt(tier['total_speedup'], 3)}x; "
-                         f"each layer alone over the baseline: {alone}; stacking efficiency "
-                         f"{_fmt(tier.get('stacking_efficiency'), 3)} (1 = the layers compound, < 1 = they overlap)")
-            lines += ["", "| layer | tok/s | marginal |", "|---|---|---|"]
-            lines += [f"| {s['label']} | {s['output_tok_per_s']:.1f} | {_fmt(s['marginal_gain'], 3)} |"
-                      for s in tier["steps"]]
-            lines.append("")
-            for key, what in (("total_speedup", "full stack"), ("quantization_speedup", "quantization alone")):
-                r = RoundsRatio.from_json(tier.get(f"{key}_rounds"))
-                if r is not None:
-                    b = r.ci.bounds
-                    ci = f"95% CI [{_fmt(b[0], 3)}, {_fmt(b[1], 3)}]" if b is not None else "no CI"
-                    per = ", ".join(f"{v:.3f}" for v in r.per_round)
-                    lines += [f"Repeated rounds, {what} over the baseline: {_fmt(r.ratio, 3)}x, {ci} over "
-                              f"{r.rounds} rounds of fresh requests (per round: {per}).", ""]
-    lines += kv_layer_lines(report.get("kv_layer"))
-    # the report's eval section has eval.json's layout per task (items, summary)
-    evals = EvalResults.from_json({"tasks": report.get("eval") or {}})
-    lines += quality_lines(evals, lambda items: look_level(cfg, items)) + custom_regression_lines(evals)
-    q = report.get("quantize")
-    if q:
-        t = QuantizeSummary.from_json(q).totals
+        lines.append(f"| {name} | {s.get('status')} | {fmt(s.get('seconds'))} | {table_cell(note)} |")
+    lines += deployment_lines(report.deployment)  # endpoints, their bench tiers, what they cannot give
+    lines += ablation_lines(ev.ablation) + kv_layer_lines(ev.kv_layer)
+    evals = ev.evals or EvalResults({})
+    limit, max_items = cfg.get("limit"), cfg.get("max_items")  # a deployment's config, like a local one's
+    lines += quality_lines(evals, lambda items: look_level(limit, max_items, items)) + custom_regression_lines(evals)
+    if ev.quant is not None:
+        t = ev.quant.totals
         lines += ["## Memory", "", f"Linear weights: {t.linear_quantized_bytes / 2**20:.1f} MiB quantized vs "
                   f"{t.linear_bf16_bytes / 2**20:.1f} MiB in bf16 ({t.linear_ratio_vs_bf16}x); checkpoint "
                   f"{t.checkpoint_bytes / 2**20:.1f} MiB (source {t.source_checkpoint_bytes / 2**20:.1f} MiB).", ""]
-    if report.get("diagnose"):
-        d = DiagnoseResult.from_json(report["diagnose"])
+    d = ev.diagnose
+    if d is not None:
         lines += ["## Bottleneck", "", f"**{d.bottleneck}** — bandwidth "
                   f"{d.machine_ceilings.memory_bandwidth_gb_s} GB/s, fp32 GEMM "
                   f"{d.machine_ceilings.fp32_gemm_gflop_s} GFLOP/s.", ""]
         lines += [f"{i}. {lever}" for i, lever in enumerate(d.levers, 1)] + [""]
-    lines += ["## Provenance", "", "```json", json.dumps({k: report[k] for k in ("inputs", "versions", "machine")},
-                                                        indent=2), "```", ""]
+    provenance = {k: report.provenance.get(k) for k in ("inputs", "versions", "machine")}
+    lines += ["## Provenance", "", "```json", json.dumps(provenance, indent=2), "```", ""]
     return "\n".join(lines)
 
 
-def kv_layer_lines(layer: dict[str, Any] | None) -> list[str]:
+def ablation_lines(ablation: AblationTable | None) -> list[str]:
+    """Per tier: each stacked layer's tok/s and marginal gain, each layer alone, and the repeated rounds."""
+    if ablation is None:
+        return []
+    lines = ["", "## Ablation: output tok/s per layer (marginal gain over the layer above)", ""]
+    for tier in ablation.tiers:
+        alone = ", ".join(f"{k} {v:.2f}x" for k, v in tier.alone_speedup.items()) or "-"
+        lines.append(f"**concurrency {tier.concurrency}** — stacked {fmt(tier.total_speedup, 3)}x; "
+                     f"each layer alone over the baseline: {alone}; stacking efficiency "
+                     f"{fmt(tier.stacking_efficiency, 3)} (1 = the layers compound, < 1 = they overlap)")
+        lines += ["", "| layer | tok/s | marginal |", "|---|---|---|"]
+        lines += [f"| {s.label} | {s.output_tok_per_s:.1f} | {fmt(s.marginal_gain, 3)} |" for s in tier.steps]
+        lines.append("")
+        for rounds, what in ((tier.total_speedup_rounds, "full stack"),
+                             (tier.quantization_speedup_rounds, "quantization alone")):
+            r = RoundsRatio.from_json(rounds)
+            if r is not None:
+                b = r.ci.bounds
+                ci = f"95% CI [{fmt(b[0], 3)}, {fmt(b[1], 3)}]" if b is not None else "no CI"
+                per = ", ".join(f"{v:.3f}" for v in r.per_round)
+                lines += [f"Repeated rounds, {what} over the baseline: {fmt(r.ratio, 3)}x, {ci} over "
+                          f"{r.rounds} rounds of fresh requests (per round: {per}).", ""]
+    return lines
+
+
+def kv_layer_lines(layer: KVLayerSection | None) -> list[str]:
     """The ablation's KV cache layer: the candidate with the unquantized and the quantized cache at one budget
     where the unquantized cache is the limit (bench_kv.json)."""
-    if not layer:
+    if layer is None:
         return []
-    row, cfg = KVLayerRow.from_json(layer), layer.get("config") or {}
+    row, cfg = layer.row, layer.config
     base, quant = "kv_auto", f"kv_{row.kv_cache_dtype}"
     lines = ["", f"## Ablation: KV cache layer ({row.kv_cache_dtype} vs the unquantized cache)", "",
              f"The candidate at concurrency {cfg.get('concurrency')} on the `{cfg.get('workload')}` workload, "
@@ -272,14 +270,14 @@ def kv_layer_lines(layer: dict[str, Any] | None) -> list[str]:
              "| KV cache | tokens that fit | preemptions | output tok/s |", "|---|---|---|---|"]
     for name in (base, quant):
         lines.append(f"| {name.removeprefix('kv_')} | {row.capacity_tokens.get(name, '-')} | "
-                     f"{_fmt(row.preemptions.get(name))} | {_fmt(row.output_tok_per_s.get(name), 4)} |")
-    lines += ["", f"Tokens that fit: {_fmt(row.capacity_ratio, 3)}x; output tok/s: "
-              f"{_fmt(row.throughput_ratio, 3)}x in the tier's own measurement."]
+                     f"{fmt(row.preemptions.get(name))} | {fmt(row.output_tok_per_s.get(name), 4)} |")
+    lines += ["", f"Tokens that fit: {fmt(row.capacity_ratio, 3)}x; output tok/s: "
+              f"{fmt(row.throughput_ratio, 3)}x in the tier's own measurement."]
     r = RoundsRatio.from_json(row.throughput_ratio_rounds)
     if r is not None:
         b = r.ci.bounds
-        ci = f"95% CI [{_fmt(b[0], 3)}, {_fmt(b[1], 3)}]" if b is not None else "no CI"
-        lines.append(f"Over {r.rounds} interleaved rounds of fresh requests: {_fmt(r.ratio, 3)}x, {ci} (per round: "
+        ci = f"95% CI [{fmt(b[0], 3)}, {fmt(b[1], 3)}]" if b is not None else "no CI"
+        lines.append(f"Over {r.rounds} interleaved rounds of fresh requests: {fmt(r.ratio, 3)}x, {ci} (per round: "
                      f"{', '.join(f'{v:.3f}' for v in r.per_round)}).")
     return lines + [""]
 
@@ -297,14 +295,14 @@ def quality_lines(evals: EvalResults, level_at: Callable[[int | None], float] = 
                   "|---|---|---|---|---|"]
         for k, d in s.deltas().items():
             lo, hi = d.ci.bounds or (None, None)
-            lines.append(f"| {k} | {_fmt(d.candidate)} | {_fmt(d.baseline)} | {_fmt(d.delta)} | "
-                         f"[{_fmt(lo)}, {_fmt(hi)}] |")
+            lines.append(f"| {k} | {fmt(d.candidate)} | {fmt(d.baseline)} | {fmt(d.delta)} | "
+                         f"[{fmt(lo)}, {fmt(hi)}] |")
         ts = s.text_stats
         for k in ("kld", "ppl_ratio", "same_top1", "delta_p"):
             t = None if ts is None else ts.figure(k)
             if t is not None:
                 lo, hi = t.ci.bounds or (None, None)
-                lines.append(f"| {k} | {_fmt(t.mean)} ± {_fmt(t.se, 2)} | | | [{_fmt(lo)}, {_fmt(hi)}] |")
+                lines.append(f"| {k} | {fmt(t.mean)} ± {fmt(t.se, 2)} | | | [{fmt(lo)}, {fmt(hi)}] |")
         lines.append("")
     return lines
 
@@ -331,7 +329,7 @@ def custom_regression_lines(evals: EvalResults) -> list[str]:
             p = x.get("passed")
             passed = "-" if p is None else "/".join("pass" if p[k] else "fail" for k in ("candidate", "baseline"))
             lines.append(f"| {x['line']} | {cell(x['id'])} | {x['kind']} | {cell(x['prompt'])} | {passed} | "
-                         f"{_fmt(x['rougeL_drop'])} | {_fmt(x['kld_mean'])} | {_fmt(x['nll_delta'])} | "
+                         f"{fmt(x['rougeL_drop'])} | {fmt(x['kld_mean'])} | {fmt(x['nll_delta'])} | "
                          f"{x['tokens']['candidate']}/{x['tokens']['baseline']} | {cell(x['candidate'])} | "
                          f"{cell(x['baseline'])} |")
         lines.append("")
@@ -364,10 +362,10 @@ def _md_to_html(md: str) -> str:
     return _MD.render(md)
 
 
-def html_report(report: dict[str, Any], md: str, plots: dict[str, str | None]) -> str:
+def html_report(verdict: str, md: str, plots: dict[str, str | None]) -> str:
     body = _md_to_html(md)
     head, _, rest = body.partition("</h1>")  # the plots sit under the verdict heading
-    return _TEMPLATE.render(verdict=report["verdict"], color=_COLORS.get(report["verdict"], "#cf222e"),
+    return _TEMPLATE.render(verdict=verdict, color=_COLORS.get(verdict, "#cf222e"),
                             head=Markup(head + "</h1>" if rest else head),
                             rest=Markup(rest),
                             plots=[(name, data) for name, data in plots.items() if data])
@@ -375,12 +373,12 @@ def html_report(report: dict[str, Any], md: str, plots: dict[str, str | None]) -
 
 def write_reports(folder: Path, signoff: SignoffReport) -> dict[str, Any]:
     """Write report.json, report.md and report.html; returns what report.json holds."""
-    report = signoff.to_json()
-    plots = {"throughput": plot_throughput(report), "quality": plot_quality(signoff.gates, signoff.policy),
-             "kld": plot_kld(kld_values(folder)), "memory": plot_memory(report), "roofline": plot_roofline(report)}
-    report["plots"] = sorted(k for k, v in plots.items() if v)
-    md = markdown(report)
+    ev = signoff.evidence
+    plots = {"throughput": plot_throughput(ev.ablation), "quality": plot_quality(signoff.gates, signoff.policy),
+             "kld": plot_kld(kld_values(folder)), "memory": plot_memory(ev.quant), "roofline": plot_roofline(ev.diagnose)}
+    report = signoff.to_json() | {"plots": sorted(k for k, v in plots.items() if v)}
+    md = markdown(signoff)
     write_json(folder / "report.json", report)
     write_text(folder / "report.md", md)
-    write_text(folder / "report.html", html_report(report, md, plots))
+    write_text(folder / "report.html", html_report(signoff.verdict, md, plots))
     return report

@@ -7,13 +7,12 @@ and the verdict can then only be FAIL.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bench.ablation import BASE_SYSTEMS, SpeedLooks, ablation_table, bench_ablation
+from ..bench.ablation import BASE_SYSTEMS, SpeedLooks, bench_ablation
 from ..bench.kv_layer import UNQUANTIZED, bench_kv_layer, resolve_kv_dtype
 from ..diagnose.run import diagnose
 from ..draft.format import check_fits, read_head_config
@@ -37,19 +36,15 @@ from .error_spending import plan
 from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
-from .sequential import describe, describe_design, draw_until_decisive
+from .sequential import describe_design, eval_step, planned_items
 from .speed import round_looks, speed_ratios, undecided
-from .steps import STEPS, SignoffConfig, StepRunner
-from .verdict import Evidence, decide
+from .steps import STEPS, SignoffConfig, StepRunner, load_output
+from .verdict import Evidence, SpeedSection, decide
 
 __all__ = ["Gate", "SignoffConfig", "evaluate_gates", "signoff"]
 
 
-def _load(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _check(cfg: SignoffConfig) -> Policy:
+def check_config(cfg: SignoffConfig) -> Policy:
     """Bad input is an error (exit 2) before any work; the policy it names, loaded."""
     if cfg.limit <= 0:
         raise QToolError(f"--limit must be a positive number of items, got {cfg.limit}")
@@ -79,7 +74,7 @@ def _refuse_sweep_candidate(out: Path) -> None:
                          "--output")
 
 
-def _check_speculative(speculative: str | None, source: ModelSource) -> None:
+def check_speculative(speculative: str | None, source: ModelSource) -> None:
     """A bad --speculative (or an EAGLE-3 head that does not fit the model) fails here, before any work, not at
     the bench step after quantization and evals."""
     spec = EngineConfig(speculative=speculative).speculative_spec
@@ -92,7 +87,7 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     """Run every step (or reuse it), decide, and write report.{json,md,html} into cfg.output."""
     if cfg.candidate_endpoint or cfg.baseline_endpoint:
         return signoff_deployments(cfg)
-    policy = _check(cfg)
+    policy = check_config(cfg)
     out = Path(cfg.output)
     _refuse_sweep_candidate(out)
     if cfg.rejudge:
@@ -100,19 +95,19 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
     recipe = load_recipe(cfg.recipe)
     source = resolve_model(cfg.model)
     check_source(source)  # a GGUF read wrong decodes to garbage: refused before anything is signed off
-    _check_speculative(cfg.speculative, source)
+    check_speculative(cfg.speculative, source)
     out.mkdir(parents=True, exist_ok=True)
-    run = _Run(cfg, policy, recipe, source, out, StepRunner(out))
+    run = SignoffRun(cfg, policy, recipe, source, out, StepRunner(out))
     try:
         run.steps()
-        return _decide(cfg, policy, {"name": recipe.name, "sha256": recipe.sha256}, source.describe(), out,
+        return decide_and_write(cfg, policy, {"name": recipe.name, "sha256": recipe.sha256}, source.describe(), out,
                        run.results, run.quant)
     finally:
         run.runner.lock.release()  # the folder is free again for the next run in this process
 
 
 @dataclass
-class _Run:
+class SignoffRun:
     """One sign-off's steps, in order: each runs (or is reused) through the StepRunner."""
 
     cfg: SignoffConfig
@@ -181,25 +176,16 @@ class _Run:
         inputs = {"candidate": cand_key, "baseline": self.source.sha256, "tasks": tasks, "limit": cfg.limit,
                   "endpoint": cfg.endpoint, "seed": cfg.seed, **({"data": data} if data else {}),
                   **({"kv_cache_dtype": self.kv} if self.kv != UNQUANTIZED and not cfg.endpoint else {})}
-        if cfg.max_items and cfg.max_items > cfg.limit:  # how many items get drawn depends on the quality bounds
-            inputs |= {"max_items": cfg.max_items, "quality_bounds": policy.model_dump()["tasks"]}
 
         def run(items: int, overwrite: bool, only: list[str] | None) -> None:
-            # eval.json is written per batch: a rerun with the same inputs resumes its finished items, and a
-            # further look reuses the items of the looks before it
+            # a further look reuses the items of the looks before it
             evaluate(self.eval_config(",".join(only) if only else tasks, items, out / "eval.json", overwrite))
 
         def judge() -> tuple[list[Gate], list[Gate]]:
             evals = EvalResults.load(out / "eval.json")
             return undecided_and_failed(custom_signoff.gate_policy(policy, evals, cfg.data), evals)
 
-        resume = self.runner.interrupted("eval", inputs)
-
-        def do_eval() -> None:
-            looks = draw_until_decisive(run, judge, cfg.limit, cfg.max_items, resume=resume)
-            write_json(out / "sequential.json", describe(looks, cfg.max_items))
-
-        self.results["eval"] = self.runner.run("eval", inputs, out / "eval.json", do_eval)
+        self.results["eval"] = eval_step(self.runner, out, inputs, policy, cfg.limit, cfg.max_items, run, judge)
 
     def bench_plan(self) -> tuple[dict[str, Any], EngineConfig, dict[str, Any]]:
         """The bench step's reuse key, the servers' engine options and the ablation's arguments. With speed gates
@@ -271,15 +257,15 @@ def _rejudge(cfg: SignoffConfig, policy: Policy, out: Path) -> dict[str, Any]:
     ckpt_report = out / "checkpoint" / "quantize_report.json"
     quant = QuantizeReport.load(ckpt_report) if results["quantize"]["status"] == "ok" else None
     recipe = quant.recipe.to_json() if quant else {"name": cfg.recipe, "sha256": None}
-    evals, sequential = None, _load(out / "sequential.json")
+    evals, sequential = None, load_output(out / "sequential.json")
     if results["eval"].get("status") == "ok":
         _check_rejudge_data(EvalResults.load(out / "eval.json"), cfg.data)
-        planned = ((sequential or {}).get("design") or {}).get("planned_items") or [cfg.limit]
+        planned = planned_items(sequential) or [cfg.limit]
         design = plan(planned)
         evals = resummarize(out / "eval.json", design.level_at, len(design.items), cfg.task_options())
         if sequential is not None:
             sequential = describe_design(sequential, design)
-    return _decide(cfg, policy, recipe, {"spec": cfg.model}, out, results, quant, evals=evals,
+    return decide_and_write(cfg, policy, recipe, {"spec": cfg.model}, out, results, quant, evals=evals,
                    sequential=sequential)
 
 
@@ -296,22 +282,17 @@ def _check_rejudge_data(evals: EvalResults, data: list[str]) -> None:
                          "--rejudge judges only what the run measured")
 
 
-def _decide(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: dict[str, Any], out: Path,
-            results: dict[str, dict[str, Any]], quant: QuantizeReport | None, *, evals: EvalResults | None = None,
-            sequential: dict[str, Any] | None = None) -> dict[str, Any]:
-    steps = {n: results.get(n, {}) for n in STEPS}
-    if evals is None and steps["eval"].get("status") == "ok":
-        evals = EvalResults.load(out / "eval.json")
-    bench = _load(out / "bench.json") if steps["bench"].get("status") == "ok" else None
-    ablation = ablation_table(bench) if bench else None
-    if ablation is not None and bench is not None and bench.get("speed_rounds"):  # the report's first lines
-        ablation["speed"] = {"pair": bench["speed_rounds"]["pair"],
-                             "figures": [f.to_json() for f in speed_ratios(bench, policy)]}
-    gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, ablation, quant, bench)
-    kv = _load(out / "bench_kv.json") if bench else None
-    evidence = Evidence(steps, gates, evals, sequential or _load(out / "sequential.json"), quant, ablation,
-                        _load(out / "diagnose.json") if steps["diagnose"].get("status") == "ok" else None,
-                        kv_layer=kv["layer"] | {"config": kv["config"]} if kv else None)
+def decide_and_write(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: dict[str, Any], out: Path,
+                     results: dict[str, dict[str, Any]], quant: QuantizeReport | None, *,
+                     evals: EvalResults | None = None, sequential: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The evidence in `out` read once (Evidence.load), judged, decided, and written as report.{json,md,html}."""
+    evidence = Evidence.load(out, {n: results.get(n, {}) for n in STEPS}, evals=evals, sequential=sequential,
+                             quant=quant.summary if quant else None)
+    bench = evidence.bench
+    if bench is not None and bench.speed_rounds is not None:  # the report's first lines
+        evidence.speed = SpeedSection(list(bench.speed_rounds.pair), speed_ratios(bench, policy))
+    evidence.gates = evaluate_gates(custom_signoff.gate_policy(policy, evidence.evals, cfg.data), evidence.evals,
+                                    evidence.ablation, evidence.quant, bench)
     report = decide(evidence, config=asdict(cfg), policy=policy, provenance=provenance(
         model=model, recipe=recipe, policy={"name": policy.name, "path": policy.source}))
     return write_reports(out, report)

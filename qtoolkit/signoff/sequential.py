@@ -14,11 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..evals.stats.paired import confidence_level
+from ..io import write_json
 from .error_spending import ALPHA, Design, plan
 from .judge import Gate
+from .policy import Policy
+from .steps import StepRunner
+
+Run = Callable[[int, bool, list[str] | None], None]
+Judge = Callable[[], tuple[list[Gate], list[Gate]]]
 
 
 @dataclass
@@ -41,9 +48,7 @@ def stages(limit: int, max_items: int | None) -> list[int]:
     return out
 
 
-def draw_until_decisive(run: Callable[[int, bool, list[str] | None], None],
-                        judge: Callable[[], tuple[list[Gate], list[Gate]]], limit: int, max_items: int | None, *,
-                        resume: bool) -> list[Look]:
+def draw_until_decisive(run: Run, judge: Judge, limit: int, max_items: int | None, *, resume: bool) -> list[Look]:
     """`run(items, overwrite, tasks)` evaluates that many items of those tasks (None: all);
     `judge()` -> (undecided gates, failed gates)."""
     looks: list[Look] = []
@@ -61,6 +66,23 @@ def draw_until_decisive(run: Callable[[int, bool, list[str] | None], None],
     return looks
 
 
+def eval_step(runner: StepRunner, out: Path, inputs: dict[str, Any], policy: Policy, limit: int,
+              max_items: int | None, run: Run, judge: Judge) -> dict[str, Any]:
+    """The eval step of a local and of a deployment sign-off: `run` scores the items (eval.json, written per
+    batch, so a rerun with the same inputs resumes its finished items), `judge` reads the quality gates after
+    each look, and the looks go to sequential.json. How many items get drawn depends on the quality bounds when
+    there is a budget, so they join the step's reuse key."""
+    if max_items and max_items > limit:
+        inputs = inputs | {"max_items": max_items, "quality_bounds": policy.model_dump()["tasks"]}
+    resume = runner.interrupted("eval", inputs)
+
+    def do_eval() -> None:
+        looks = draw_until_decisive(run, judge, limit, max_items, resume=resume)
+        write_json(out / "sequential.json", describe(looks, max_items))
+
+    return runner.run("eval", inputs, out / "eval.json", do_eval)
+
+
 def design_of(limit: int, max_items: int | None) -> Design:
     """The error-spending design over the looks `stages` plans."""
     return plan(stages(limit, max_items))
@@ -69,6 +91,12 @@ def design_of(limit: int, max_items: int | None) -> Design:
 def design_json(design: Design) -> dict[str, Any]:
     return {"name": design.describe(), "planned_items": list(design.items),
             "levels": [round(c, 6) for c in design.levels], "alpha_spent": list(design.spent)}
+
+
+def planned_items(sequential: dict[str, Any] | None) -> list[int] | None:
+    """The looks' item counts a sequential.json planned; None for a run without one (or from before designs)."""
+    design = sequential.get("design") if sequential else None
+    return list(design["planned_items"]) if design and design.get("planned_items") else None
 
 
 def describe_design(sequential: dict[str, Any], design: Design) -> dict[str, Any]:

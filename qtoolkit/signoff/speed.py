@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..bench.ablation import AblationBench
 from ..bench.loop import TierRecord
 from ..evals.stats.paired import current_confidence, ratio_over_rounds
 from . import gates as verdicts
@@ -102,21 +103,22 @@ class SpeedRatio:
                    d.get("ci_reliable"), tuple(d.get("per_round") or ()))
 
 
-def bench_level(bench: dict[str, Any], alpha: float | None = None) -> tuple[float, int]:
+def bench_level(bench: AblationBench, alpha: float | None = None) -> tuple[float, int]:
     """(the level the speed gates judge at, rounds measured) from bench.json's speed_rounds: the level of the
     look the rounds stopped at; a bench without further looks: its own rounds at 1 - alpha."""
-    looks = bench.get("speed_rounds") or {}
-    planned = tuple(looks.get("looks") or ())
-    rounds = int(looks.get("rounds") or (bench.get("config") or {}).get("rounds") or 1)
+    looks = bench.speed_rounds
+    planned = tuple(looks.looks) if looks else ()
+    rounds = int((looks.rounds if looks else None) or bench.rounds or 1)
     design = speed_design(planned if planned else (rounds,), alpha)
     return design.level_at(rounds), rounds
 
 
-def speed_ratios(bench: dict[str, Any], policy: Policy, alpha: float | None = None) -> list[SpeedRatio]:
+def speed_ratios(bench: AblationBench | None, policy: Policy, alpha: float | None = None) -> list[SpeedRatio]:
     """Every speed figure the policy gates, at every tier it names (every bench tier when it names none)."""
+    bench = bench or AblationBench([])
     level, _ = bench_level(bench, alpha)
-    pair = tuple((bench.get("speed_rounds") or {}).get("pair") or ())
-    tiers = {t.concurrency: t for t in (TierRecord.from_json(x) for x in bench.get("tiers") or [])}
+    pair = tuple(bench.speed_rounds.pair) if bench.speed_rounds else ()
+    tiers = {t.concurrency: t for t in bench.tiers}
     # no bench (its step failed or was skipped): one gate per kind without a tier, never a silent absence
     wanted = policy.throughput.tiers or sorted(tiers) or [0]
     kinds = [k for k, attr in ((DECODE, "min_decode_speedup"), (PREFILL, "prefill_margin"))
@@ -149,7 +151,7 @@ def judge_speed(fig: SpeedRatio, policy: Policy) -> verdicts.Judgement:
     return verdicts.with_interval_method(j, fig.method, fig.coverage, fig.reliable, "rounds")
 
 
-def undecided(bench: dict[str, Any], policy: Policy) -> bool:
+def undecided(bench: AblationBench, policy: Policy) -> bool:
     """Whether another look could change a speed gate: some gate INCONCLUSIVE and none FAILed."""
     js = [judge_speed(f, policy).verdict for f in speed_ratios(bench, policy)]
     return verdicts.FAIL not in js and any(v == verdicts.INCONCLUSIVE for v in js)

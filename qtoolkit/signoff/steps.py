@@ -19,6 +19,11 @@ from ..provenance import code_identity, text_sha256
 STEPS = ("quantize", "eval", "bench", "diagnose")
 
 
+def load_output(path: Path) -> dict[str, Any] | None:
+    """A step's JSON output as written, or None when the step wrote none."""
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 @dataclass
 class SignoffConfig:
     model: str = "default"

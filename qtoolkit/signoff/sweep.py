@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..bench.ablation import ablation_table, bench_candidates
+from ..bench.ablation import AblationBench, bench_candidates
 from ..bench.deployment import throughput_table
 from ..bench.kv_layer import UNQUANTIZED
 from ..bench.memory import peak_memory
@@ -38,8 +38,9 @@ from .family import FamilyJudgement, Rejudge, fallback, judge_at, look_levels
 from .judge import Gate, evaluate_gates
 from .policy import Policy, load_policy
 from .ranking import Row, worst_gate, write_sweep_reports
-from .run import _check, _check_speculative, _decide, _load, _Run
-from .steps import SignoffConfig, StepRunner
+from .run import SignoffRun, check_config, check_speculative, decide_and_write
+from .steps import SignoffConfig, StepRunner, load_output
+from .verdict import SignoffReport
 
 
 @dataclass
@@ -49,9 +50,9 @@ class Candidate:
     name: str
     spec: str  # the recipe as given (a shipped name or a file)
     cfg: SignoffConfig
-    run: _Run | None = None
+    run: SignoffRun | None = None
     error: str | None = None  # what stopped it outside its steps (its steps record their own errors)
-    report: dict[str, Any] | None = None
+    report: SignoffReport | None = None
     family: FamilyJudgement | None = None
 
     @property
@@ -66,7 +67,7 @@ def recipe_list(spec: str) -> list[str]:
 
 def signoff_sweep(cfg: SignoffConfig) -> dict[str, Any]:
     """Every candidate's sign-off, the family-wise reading and the ranked report in cfg.output."""
-    policy = _check(cfg)
+    policy = check_config(cfg)
     specs = recipe_list(cfg.recipe)
     recipes = [load_recipe(s) for s in specs]  # an unknown recipe is bad input: exit 2 before any work
     names = [r.name for r in recipes]
@@ -74,7 +75,7 @@ def signoff_sweep(cfg: SignoffConfig) -> dict[str, Any]:
         raise QToolError(f"--recipe names a recipe twice ({', '.join(names)}): list each candidate once")
     source = resolve_model(cfg.model)
     check_source(source)  # a GGUF read wrong decodes to garbage: refused before anything is signed off
-    _check_speculative(cfg.speculative, source)
+    check_speculative(cfg.speculative, source)
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     shared = StepRunner(out)  # one sweep per folder at a time
@@ -93,7 +94,7 @@ def signoff_sweep(cfg: SignoffConfig) -> dict[str, Any]:
                     _guard(c, lambda c=c: _report(c, policy, source))
             _family(cands, _local_judge(policy))
         return write_sweep_reports(out, cfg, policy, [row_of(c, policy) for c in cands], specs, source.describe(),
-                                   peak.to_json())
+                                   peak)
     finally:
         shared.lock.release()
         for c in cands:
@@ -102,23 +103,23 @@ def signoff_sweep(cfg: SignoffConfig) -> dict[str, Any]:
 
 
 def row_of(c: Candidate, policy: Policy) -> Row:
-    report = c.report or {}
-    gates = [Gate.from_json(g) for g in report.get("gates") or []]
+    report = c.report
+    gates = report.gates if report else []
     name, frac = worst_gate(gates, policy)
     _, qfrac = worst_gate(gates, policy, quality_only=True)
-    quant = report.get("quantize") or {}
-    tiers = (report.get("ablation") or {}).get("tiers") or []
-    rounds = RoundsRatio.from_json(tiers[-1].get("total_speedup_rounds")) if tiers else None
-    speed = ((report.get("ablation") or {}).get("speed") or {}).get("figures") or []
-    decode = [f for f in speed if f["kind"] == "decode" and f.get("ratio") is not None]
+    ev = report.evidence if report else None
+    quant = ev.quant if ev else None
+    top = ev.ablation.top if ev and ev.ablation else None
+    rounds = RoundsRatio.from_json(top.total_speedup_rounds) if top else None
+    decode = [f for f in (ev.speed.figures if ev and ev.speed else []) if f.kind == "decode" and f.ratio is not None]
     fam = c.family
-    return Row(c.name, report.get("verdict", verdicts.ERROR), fam.verdict if fam else verdicts.ERROR,
-               fam.alpha if fam else 0.0, (quant.get("totals") or {}).get("linear_ratio_vs_bf16"),
+    return Row(c.name, report.verdict if report else verdicts.ERROR, fam.verdict if fam else verdicts.ERROR,
+               fam.alpha if fam else 0.0, quant.totals.linear_ratio_vs_bf16 if quant else None,
                # what a deployment buys: the top tier's decode speedup (TPOT) when the policy gates speed
-               {"ratio": decode[-1]["ratio"], "ci": decode[-1]["ci"], "what": "decode",
-                "concurrency": decode[-1]["concurrency"]} if decode
+               {"ratio": decode[-1].ratio, "ci": None if decode[-1].ci is None else list(decode[-1].ci),
+                "what": "decode", "concurrency": decode[-1].concurrency} if decode
                else {"ratio": rounds.ratio, "ci": rounds.ci.bounds} if rounds else None, name, frac, qfrac,
-               list(report.get("reasons") or []), c.error, str(c.folder), fam.to_json() if fam else None)
+               list(report.reasons) if report else [], c.error, str(c.folder), fam.to_json() if fam else None)
 
 
 def _guard(c: Candidate, fn: Callable[[], object]) -> None:
@@ -134,7 +135,7 @@ def _guard(c: Candidate, fn: Callable[[], object]) -> None:
 
 def _start(c: Candidate, policy: Policy, recipe: Recipe, source: ModelSource) -> None:
     Path(c.cfg.output).mkdir(parents=True, exist_ok=True)
-    c.run = _Run(c.cfg, policy, recipe, source, c.folder, StepRunner(c.folder))
+    c.run = SignoffRun(c.cfg, policy, recipe, source, c.folder, StepRunner(c.folder))
     c.run.quality()
 
 
@@ -206,8 +207,9 @@ def _diagnose(cands: list[Candidate], shared: StepRunner, cfg: SignoffConfig, so
 def _report(c: Candidate, policy: Policy, source: ModelSource) -> None:
     assert c.run is not None and c.run.results is not None
     recipe = c.run.recipe
-    c.report = _decide(c.cfg, policy, {"name": recipe.name, "sha256": recipe.sha256}, source.describe(), c.folder,
-                       c.run.results, c.run.quant)
+    c.report = SignoffReport.from_json(decide_and_write(
+        c.cfg, policy, {"name": recipe.name, "sha256": recipe.sha256}, source.describe(), c.folder, c.run.results,
+        c.run.quant))
 
 
 JudgeAt = Callable[["Candidate", float], FamilyJudgement]
@@ -225,7 +227,7 @@ def _family(cands: list[Candidate], judge: JudgeAt) -> None:
 
     def passes_at(name: str, alpha: float) -> bool:
         c = by_name[name]
-        if not c.report or c.report["verdict"] != verdicts.PASS:
+        if not c.report or c.report.verdict != verdicts.PASS:
             return False
         c.family = judge(c, alpha)
         return c.family.recommendable
@@ -233,7 +235,7 @@ def _family(cands: list[Candidate], judge: JudgeAt) -> None:
     shares = fallback([c.name for c in sorted(cands, key=weight)], passes_at)
     for c in cands:
         if c.family is None:
-            verdict = c.report["verdict"] if c.report else verdicts.ERROR
+            verdict = c.report.verdict if c.report else verdicts.ERROR
             c.family = FamilyJudgement(shares.get(c.name, 0.0), verdict)
 
 
@@ -246,11 +248,11 @@ def _local_judge(policy: Policy) -> JudgeAt:
 
 def _rejudge(c: Candidate, policy: Policy) -> Rejudge:
     def run(evals: EvalResults | None, level: float) -> list[Gate]:
-        bench = _load(c.folder / "bench.json")
-        ablation = ablation_table(bench) if bench else None  # its rounds' intervals at the context's level
+        bench = load_output(c.folder / "bench.json")
+        measured = AblationBench.from_json(bench) if bench else None  # its rounds' intervals at the context's level
         assert c.run is not None
-        return evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals, ablation, c.run.quant,
-                              bench)
+        return evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals,
+                              measured.table if measured else None, c.run.quant, measured)
     return run
 
 
@@ -289,11 +291,10 @@ def signoff_endpoint_sweep(cfg: SignoffConfig, pairs: list[tuple[str, str]]) -> 
         with peak_memory() as peak:
             for i, c in enumerate(cands):
                 status(f"candidate {i + 1}/{len(cands)} {c.name} ({c.spec}): deployment sign-off")
-                _guard(c, lambda c=c: setattr(c, "report", signoff_deployments(c.cfg)))
+                _guard(c, lambda c=c: setattr(c, "report", SignoffReport.from_json(signoff_deployments(c.cfg))))
             _family(cands, _endpoint_judge(policy))
         return write_sweep_reports(out, cfg, policy, [row_of(c, policy) for c in cands], [u for _, u in pairs],
-                                   {"tokenizer": cfg.model, "baseline_endpoint": cfg.baseline_endpoint},
-                                   peak.to_json())
+                                   {"tokenizer": cfg.model, "baseline_endpoint": cfg.baseline_endpoint}, peak)
     finally:
         shared.lock.release()
 
@@ -301,7 +302,7 @@ def signoff_endpoint_sweep(cfg: SignoffConfig, pairs: list[tuple[str, str]]) -> 
 def _endpoint_judge(policy: Policy) -> JudgeAt:
     def judge(c: Candidate, alpha: float) -> FamilyJudgement:
         def rejudge(evals: EvalResults | None, level: float) -> list[Gate]:
-            bench = _load(c.folder / "bench.json")
+            bench = load_output(c.folder / "bench.json")
             return judge_deployment(c.cfg, policy, evals, throughput_table(bench) if bench else None, None)[0]
 
         levels = look_levels(c.cfg.limit, c.cfg.max_items, alpha)
