@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 
 import pytest
 
@@ -33,11 +34,26 @@ def tier(ours: list[tuple[float, float]], theirs: list[tuple[float, float]]) -> 
                                                  "vllm": [Reading(*r) for r in theirs]})
 
 
-def test_agreement_is_judged_on_medians_over_rounds_within_ten_percent():
-    t = tier([(100, 20), (300, 22), (110, 21)], [(105, 21), (108, 19), (500, 23)])  # medians 110/21 vs 108/21
-    assert t.judge() and math.isclose(t.ttft_ratio["vllm"], 108 / 110) and math.isclose(t.tpot_ratio["vllm"], 1)
+def test_agreement_is_judged_on_the_median_of_paired_round_ratios_within_ten_percent():
+    # round ratios: TTFT 1.05, 0.36, 4.55 and TPOT 1.05, 0.86, 1.10: a round's outlier on one side does not count
+    t = tier([(100, 20), (300, 22), (110, 21)], [(105, 21), (108, 19), (500, 23.1)])
+    assert t.judge() and math.isclose(t.ttft_ratio["vllm"], 1.05) and math.isclose(t.tpot_ratio["vllm"], 1.05)
     t = tier([(100, 20)], [(100, 22.5)])  # TPOT 12.5% slower
     assert not t.judge() and math.isclose(t.tpot_ratio["vllm"], 1.125)
+
+
+def test_rejudge_reads_the_rounds_back_and_refuses_what_is_not_a_result(tmp_path, capsys):
+    out = tmp_path / "a.json"
+    t = tier([(100, 20), (120, 20)], [(100, 30), (120, 30)])
+    out.write_text(json.dumps({"command": "x", "tiers": [asdict(t)]}))
+    assert main(["--output", str(out), "--rejudge"]) == 1  # TPOT 1.5x: no agreement
+    data = json.loads(out.read_text())
+    assert data["agree"] is False and math.isclose(data["tiers"][0]["tpot_ratio"]["vllm"], 1.5)
+    assert data["command"] == "x"
+    bad = tmp_path / "b.json"
+    bad.write_text("{}")
+    assert main(["--output", str(bad), "--rejudge"]) == 2
+    assert "not a client_agreement result" in capsys.readouterr().err
 
 
 @pytest.mark.vllm

@@ -65,7 +65,8 @@ class TierAgreement:
     concurrency: int
     clients: tuple[str, ...] = CLIENTS  # "qtool" first: the others are read against it
     rounds: dict[str, list[Reading]] = field(default_factory=dict)
-    # per client: median over rounds of its median, over qtool's
+    # per client: the median over rounds of its median over qtool's in the same round (the clients of a round run
+    # back to back, so a round's ratio carries that round's machine state on both sides)
     ttft_ratio: dict[str, float] = field(default_factory=dict)
     tpot_ratio: dict[str, float] = field(default_factory=dict)
 
@@ -73,9 +74,14 @@ class TierAgreement:
         ours = self.rounds["qtool"]
         for c in self.clients[1:]:
             for name, ratio in (("ttft_ms", self.ttft_ratio), ("tpot_ms", self.tpot_ratio)):
-                ratio[c] = statistics.median(getattr(r, name) for r in self.rounds[c]) / statistics.median(
-                    getattr(r, name) for r in ours)
+                ratio[c] = statistics.median(getattr(t, name) / getattr(q, name)
+                                             for t, q in zip(self.rounds[c], ours, strict=True))
         return all(abs(r - 1) <= TOLERANCE for r in [*self.ttft_ratio.values(), *self.tpot_ratio.values()])
+
+    @classmethod
+    def from_json(cls, d: dict) -> TierAgreement:
+        return cls(int(d["concurrency"]), tuple(d["clients"]),
+                   {c: [Reading(**r) for r in rs] for c, rs in d["rounds"].items()})
 
 
 def _run(cmd: list[str], what: str, timeout_s: float = 1800) -> None:
@@ -174,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--guidellm", type=Path, default=Path(".venv-guidellm/bin/guidellm"),
                    help="GuideLLM's executable (python -m venv .venv-guidellm && .venv-guidellm/bin/pip install "
                         "guidellm==0.8.1)")
+    p.add_argument("--rejudge", action="store_true", help="judge the rounds already in --output again, measuring "
+                   "nothing")
     a = p.parse_args(argv)
+    if a.rejudge:
+        return rejudge(a.output)
     try:
         try:
             concurrency = [int(x) for x in a.concurrency.split(",")]
@@ -200,11 +210,23 @@ def main(argv: list[str] | None = None) -> int:
     except (QToolError, subprocess.TimeoutExpired, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return report(a.output, tiers, {"command": "python -m qtoolkit.peers.client_agreement " + " ".join(
+        argv or sys.argv[1:]), **provenance(model=a.model), "seconds": round(time.monotonic() - start, 1)})
+
+
+def rejudge(path: Path) -> int:
+    try:
+        data = json.loads(path.read_text())
+        tiers = [TierAgreement.from_json(t) for t in data["tiers"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"error: {path} is not a client_agreement result ({e}): run the measurement first", file=sys.stderr)
+        return 2
+    return report(path, tiers, {k: v for k, v in data.items() if k not in ("tiers", "agree", "tolerance")})
+
+
+def report(path: Path, tiers: list[TierAgreement], header: dict) -> int:
     agree = all([t.judge() for t in tiers])
-    write_json(a.output, {"command": "python -m qtoolkit.peers.client_agreement " + " ".join(argv or sys.argv[1:]),
-                          **provenance(model=a.model), "tolerance": TOLERANCE, "agree": agree,
-                          "seconds": round(time.monotonic() - start, 1),
-                          "tiers": [asdict(t) for t in tiers]})
+    write_json(path, {**header, "tolerance": TOLERANCE, "agree": agree, "tiers": [asdict(t) for t in tiers]})
     for t in tiers:
         print(f"c={t.concurrency}: TTFT " + ", ".join(f"{c} {r:.3f}x" for c, r in t.ttft_ratio.items())
               + "; TPOT " + ", ".join(f"{c} {r:.3f}x" for c, r in t.tpot_ratio.items()) + " of qtool bench serve's")
