@@ -198,7 +198,8 @@ def refusal(log: Path) -> str:
     continue it (the per-kernel reasons of a WNA16 refusal), else the last error line, else the last line."""
     lines = [ln.rstrip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     bare = [_PREFIX.sub("", ln) for ln in lines]
-    errors = [i for i, ln in enumerate(bare) if re.match(r"\w*(Error|Exception): ", ln)]
+    # a dotted name too: pydantic's `pydantic_core._pydantic_core.ValidationError: 1 validation error for ...`
+    errors = [i for i, ln in enumerate(bare) if re.match(r"[\w.]*(Error|Exception): ", ln)]
     specific = [i for i in errors if not any(g in bare[i] for g in _GENERIC)]
     if not specific:
         return ((errors and bare[errors[-1]]) or (bare or ["no output"])[-1])[-400:]
@@ -206,7 +207,8 @@ def refusal(log: Path) -> str:
     for raw in bare[first + 1:first + 6]:  # continuations are indented; a traceback that follows is not the reason
         if not raw.startswith(" ") or raw.strip().startswith(("File ", "Traceback")):
             break
-        parts.append(raw.strip())
+        if not raw.strip().startswith("For further information visit"):  # pydantic's link, not a reason
+            parts.append(raw.strip())
     return " ".join(parts)[:800]
 
 
