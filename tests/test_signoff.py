@@ -212,9 +212,11 @@ def test_sweep_over_recipes_keeps_single_verdicts_generates_the_baseline_once_an
     assert (sweep["recommended"] is None) == (code != 0)
     single = json.loads((run_dir / "report.json").read_text())
     cand = json.loads((out / "candidates" / "int4-rtn" / "report.json").read_text())
-    assert ({g["name"]: g for g in cand["gates"] if not g["name"].startswith("throughput.")}
-            == {g["name"]: g for g in single["gates"] if not g["name"].startswith("throughput.")})
-    if any(g["verdict"] == "FAIL" for g in single["gates"]):
+    quality = {g["name"]: g for g in single["gates"] if not g["name"].startswith("throughput.")}
+    assert {g["name"]: g for g in cand["gates"] if not g["name"].startswith("throughput.")} == quality
+    # the speed gates are measured again in each run (a loaded machine can FAIL one and not the other): only a
+    # quality FAIL, which both runs share, must make both verdicts FAIL
+    if any(g["verdict"] == "FAIL" for g in quality.values()):
         assert cand["verdict"] == single["verdict"] == "FAIL"
     canary = json.loads((out / "candidates" / "int3-rtn-canary" / "eval.json").read_text())
     cache = canary["models"]["baseline"]["generations_cache"]
