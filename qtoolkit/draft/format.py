@@ -133,7 +133,8 @@ def check_fits(folder: Path, c: Eagle3Config, target: Any) -> None:
     if not 0 < c.draft_vocab_size <= c.vocab_size:
         raise _fail(folder, f"draft_vocab_size {c.draft_vocab_size} is outside 1..{c.vocab_size}", RETRAIN)
     top = target.num_layers - 1
-    if c.aux_layer_ids and len(c.aux_layer_ids) != 3 or any(not 1 <= i <= top for i in c.aux_layer_ids):
+    c = resolve_aux(c, target)
+    if len(c.aux_layer_ids) != 3 or any(not 1 <= i <= top for i in c.aux_layer_ids):
         raise _fail(folder, f"aux layer ids {list(c.aux_layer_ids)} are not three target layers in 1..{top}",
                     f"use the head trained for this model, or {RETRAIN}")
 
@@ -182,9 +183,9 @@ def load_head(folder: str | os.PathLike, target_config: Any, dtype: torch.dtype 
     """A head folder (vLLM's EAGLE-3 layout or speculators') checked against the target it drafts for; every
     problem is one DraftHeadError line."""
     folder = Path(folder)
-    config = read_head_config(folder)
+    config = resolve_aux(read_head_config(folder), target_config)
     check_fits(folder, config, target_config)
-    head = Eagle3Head(resolve_aux(config, target_config))
+    head = Eagle3Head(config)
     tensors = read_tensors(folder, head.state_dict())
     target_ids = torch.arange(config.draft_vocab_size) + tensors["d2t"].to(torch.int64)
     if target_ids.min() < 0 or target_ids.max() >= config.vocab_size:

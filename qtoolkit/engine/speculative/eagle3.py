@@ -71,13 +71,14 @@ class Eagle3Proposer:
         self.aux_layers = tuple(head.config.aux_layer_ids)
         self.catch_up_cost = catch_up_cost(head, target)
         self.target_ids = head.to_target(torch.arange(head.config.draft_vocab_size))
+        # the head's own embeddings where its checkpoint has them (speculators'), else the target's it shares
+        self.embed_table = target.embed_tokens if head.embed_tokens is None else head.embed_tokens
         self.states: dict[str, HeadState] = {}
         self.generators: dict[str, torch.Generator] = {}
 
     def _embed(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(ids, dtype=torch.long)
-        table = self.target.embed_tokens if self.head.embed_tokens is None else self.head.embed_tokens
-        return F.embedding(ids, table).to(self.head.fc.weight.dtype)
+        return F.embedding(ids, self.embed_table).to(self.head.fc.weight.dtype)
 
     # -- features from the target's forwards ----------------------------------------------------------------
     @torch.inference_mode()
