@@ -21,6 +21,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 from tqdm import tqdm
@@ -65,18 +66,19 @@ class TierAgreement:
     concurrency: int
     clients: tuple[str, ...] = CLIENTS  # "qtool" first: the others are read against it
     rounds: dict[str, list[Reading]] = field(default_factory=dict)
-    # per client: the median over rounds of its median over qtool's in the same round (the clients of a round run
-    # back to back, so a round's ratio carries that round's machine state on both sides)
-    ttft_ratio: dict[str, float] = field(default_factory=dict)
-    tpot_ratio: dict[str, float] = field(default_factory=dict)
 
-    def judge(self) -> bool:
+    def ratio(self, figure: str) -> dict[str, float]:
+        """Per peer client: the median over rounds of its `figure` over qtool's in the same round (the clients of
+        a round run back to back, so a round's ratio carries that round's machine state on both sides)."""
         ours = self.rounds["qtool"]
-        for c in self.clients[1:]:
-            for name, ratio in (("ttft_ms", self.ttft_ratio), ("tpot_ms", self.tpot_ratio)):
-                ratio[c] = statistics.median(getattr(t, name) / getattr(q, name)
-                                             for t, q in zip(self.rounds[c], ours, strict=True))
-        return all(abs(r - 1) <= TOLERANCE for r in [*self.ttft_ratio.values(), *self.tpot_ratio.values()])
+        return {c: statistics.median(getattr(t, figure) / getattr(q, figure)
+                                     for t, q in zip(self.rounds[c], ours, strict=True)) for c in self.clients[1:]}
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"ttft_ratio": self.ratio("ttft_ms"), "tpot_ratio": self.ratio("tpot_ms")}
+
+    def agrees(self) -> bool:
+        return all(abs(r - 1) <= TOLERANCE for f in ("ttft_ms", "tpot_ms") for r in self.ratio(f).values())
 
     @classmethod
     def from_json(cls, d: dict) -> TierAgreement:
@@ -84,29 +86,37 @@ class TierAgreement:
                    {c: [Reading(**r) for r in rs] for c, rs in d["rounds"].items()})
 
 
-def _run(cmd: list[str], what: str, timeout_s: float = 1800) -> None:
+def run_cli(cmd: list[str], what: str, timeout_s: float = 3600) -> None:
+    """A client's command line; its failure is one error line ending in its own last line."""
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         raise QToolError(f"{what} failed (exit {proc.returncode}): {tail[0][:300]}")
 
 
+def qtool_bench(url: str, model: str, concurrency: list[int], *, workload: str, num_prompts: int, seed: int,
+                out: Path) -> dict[int, dict[str, Any]]:
+    """`qtool bench serve --base-url` as a user runs it: tier -> the one system's result (vLLM's field names)."""
+    run_cli([*python_module_argv("qtoolkit"), "-q", "bench", "serve", "--base-url", url, "--model", model,
+             "--workload", workload, "--max-concurrency", ",".join(map(str, concurrency)),
+             "--num-prompts", str(num_prompts), "--seed", str(seed), "--output", str(out)], "qtool bench serve")
+    tiers = json.loads(out.read_text())["tiers"]
+    return {int(t["max_concurrency"]): next(iter(t["results"].values())) for t in tiers}
+
+
 def qtool_reading(load: Load, c: int, out: Path) -> Reading:
-    _run([*python_module_argv("qtoolkit"), "-q", "bench", "serve", "--base-url", load.url, "--model", load.model,
-          "--workload", str(load.prompts), "--max-concurrency", str(c), "--num-prompts", str(load.num_prompts),
-          "--seed", str(load.seed), "--output", str(out)], "qtool bench serve")
-    tier = json.loads(out.read_text())["tiers"][0]
-    (result,) = tier["results"].values()  # one system: the server given by --base-url
+    result = qtool_bench(load.url, load.model, [c], workload=str(load.prompts), num_prompts=load.num_prompts,
+                         seed=load.seed, out=out)[c]
     return Reading(result["median_ttft_ms"], result["median_tpot_ms"])
 
 
 def vllm_reading(python: Path, load: Load, c: int, out: Path) -> Reading:
-    _run([str(python), "-c", VLLM_BENCH, "--backend", "openai", "--base-url", load.url, "--endpoint",
+    run_cli([str(python), "-c", VLLM_BENCH, "--backend", "openai", "--base-url", load.url, "--endpoint",
           "/v1/completions", "--model", load.model, "--tokenizer", load.tokenizer, "--dataset-name", "custom",
           "--dataset-path", str(load.prompts), "--custom-output-len", str(load.output_tokens), "--skip-chat-template",
           "--disable-shuffle", "--num-prompts", str(load.num_prompts), "--max-concurrency", str(c), "--ignore-eos",
           "--temperature", "0", "--seed", str(load.seed), "--disable-tqdm", "--save-result", "--result-dir",
-          str(out.parent), "--result-filename", out.name], "vllm bench serve")
+             str(out.parent), "--result-filename", out.name], "vllm bench serve")
     r = json.loads(out.read_text())
     return Reading(r["median_ttft_ms"], r["median_tpot_ms"])
 
@@ -119,8 +129,8 @@ def guidellm_reading(exe: Path, load: Load, c: int, out: Path) -> Reading:
         "profile": {"kind": "concurrent", "streams": c},
         "data": [{"kind": "json_file", "path": str(load.guidellm_prompts)}],
         "constraints": [{"kind": "max_requests", "count": load.num_prompts}]}}))
-    _run([str(exe), "run", "--scenario", str(scenario), "--output", f"kind=json,path={out}",
-          "--disable-console-interactive"], "guidellm run")
+    run_cli([str(exe), "run", "--scenario", str(scenario), "--output", f"kind=json,path={out}",
+             "--disable-console-interactive"], "guidellm run")
     m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
     return Reading(m["time_to_first_token_ms"]["successful"]["median"],
                    m["inter_token_latency_ms"]["successful"]["median"])
@@ -224,12 +234,13 @@ def rejudge(path: Path) -> int:
     return report(path, tiers, {k: v for k, v in data.items() if k not in ("tiers", "agree", "tolerance")})
 
 
-def report(path: Path, tiers: list[TierAgreement], header: dict) -> int:
-    agree = all([t.judge() for t in tiers])
-    write_json(path, {**header, "tolerance": TOLERANCE, "agree": agree, "tiers": [asdict(t) for t in tiers]})
+def report(path: Path, tiers: list[TierAgreement], header: dict[str, Any]) -> int:
+    agree = all(t.agrees() for t in tiers)
+    write_json(path, {**header, "tolerance": TOLERANCE, "agree": agree, "tiers": [t.to_json() for t in tiers]})
     for t in tiers:
-        print(f"c={t.concurrency}: TTFT " + ", ".join(f"{c} {r:.3f}x" for c, r in t.ttft_ratio.items())
-              + "; TPOT " + ", ".join(f"{c} {r:.3f}x" for c, r in t.tpot_ratio.items()) + " of qtool bench serve's")
+        print(f"c={t.concurrency}: TTFT " + ", ".join(f"{c} {r:.3f}x" for c, r in t.ratio("ttft_ms").items())
+              + "; TPOT " + ", ".join(f"{c} {r:.3f}x" for c, r in t.ratio("tpot_ms").items())
+              + " of qtool bench serve's")
     return 0 if agree else 1
 
 

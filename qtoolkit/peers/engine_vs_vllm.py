@@ -15,7 +15,6 @@ take turns: a tier runs on one server while the other waits idle.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -32,9 +31,9 @@ from tqdm import tqdm
 from ..engine.config import EngineConfig
 from ..errors import QToolError
 from ..io import write_json
-from ..launch import python_module_argv
 from ..provenance import provenance
 from ..server.process import server_process
+from .client_agreement import qtool_bench
 from .vllm_env import ensure_env, vllm_server
 
 FIGURES = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
@@ -45,27 +44,13 @@ class TierComparison:
     concurrency: int
     rounds: dict[str, dict[str, list[float]]] = field(
         default_factory=lambda: {s: {f: [] for f in FIGURES} for s in ("qtool", "vllm")})
-    ratios: dict[str, Any] = field(default_factory=dict)  # figure -> ratio_over_rounds(qtool, vllm)
 
-    def judge(self) -> None:
-        for f in FIGURES:
-            self.ratios[f] = ratio_over_rounds(self.rounds["qtool"][f], self.rounds["vllm"][f])
+    def ratios(self) -> dict[str, dict[str, Any]]:
+        """figure -> qtool ÷ vLLM over the rounds (ratio_over_rounds: geometric mean, t interval)."""
+        return {f: ratio_over_rounds(self.rounds["qtool"][f], self.rounds["vllm"][f]) for f in FIGURES}
 
-
-def bench(url: str, model: str, concurrency: list[int], *, workload: str, num_prompts: int, seed: int,
-          out: Path) -> dict[int, dict[str, float]]:
-    """One `qtool bench serve --base-url` run over every tier: tier -> the figures."""
-    cmd = [*python_module_argv("qtoolkit"), "-q", "bench", "serve", "--base-url", url, "--model", model,
-           "--workload", workload, "--max-concurrency", ",".join(map(str, concurrency)),
-           "--num-prompts", str(num_prompts), "--seed", str(seed), "--output", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0:
-        raise QToolError(f"qtool bench serve against {url} failed: {(proc.stderr.strip().splitlines() or [''])[-1]}")
-    figures = {}
-    for tier in json.loads(out.read_text())["tiers"]:
-        (result,) = tier["results"].values()
-        figures[int(tier["max_concurrency"])] = {f: float(result[f]) for f in FIGURES}
-    return figures
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"ratios": self.ratios()}
 
 
 def compare(model: str, dtype: str, concurrency: list[int], *, num_prompts: int, rounds: int, workload: str,
@@ -86,14 +71,12 @@ def compare(model: str, dtype: str, concurrency: list[int], *, num_prompts: int,
                 order = ("qtool", "vllm") if r % 2 == 0 else ("vllm", "qtool")
                 for name in order:
                     url, served = servers[name]
-                    got = bench(url, served, concurrency, workload=workload, num_prompts=num_prompts,
-                                seed=seed + r, out=Path(tmp) / f"{name}-{r}.json")
-                    for c, figures in got.items():
-                        for f, v in figures.items():
-                            tiers[c].rounds[name][f].append(v)
+                    got = qtool_bench(url, served, concurrency, workload=workload, num_prompts=num_prompts,
+                                      seed=seed + r, out=Path(tmp) / f"{name}-{r}.json")
+                    for c, result in got.items():
+                        for f in FIGURES:
+                            tiers[c].rounds[name][f].append(float(result[f]))
                     bar.update()
-    for t in tiers.values():
-        t.judge()
     return list(tiers.values())
 
 
@@ -130,10 +113,11 @@ def main(argv: list[str] | None = None) -> int:
                           **provenance(model=a.model, dtype=a.dtype, vllm_dtype=a.vllm_dtype or a.dtype,
                                        workload=a.workload),
                           "seconds": round(time.monotonic() - start, 1), "quotient": "qtool serve / vLLM",
-                          "tiers": [asdict(t) for t in tiers]})
+                          "tiers": [t.to_json() for t in tiers]})
     for t in tiers:
+        ratios = t.ratios()
         print(f"c={t.concurrency}: " + ", ".join(
-            f"{f} {t.ratios[f]['ratio']:.2f}x {[round(x, 2) for x in t.ratios[f]['ci95'] or []]}" for f in FIGURES)
+            f"{f} {ratios[f]['ratio']:.2f}x {[round(x, 2) for x in ratios[f]['ci95'] or []]}" for f in FIGURES)
             + " (qtool serve / vLLM)")
     return 0
 
