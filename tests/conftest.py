@@ -26,7 +26,8 @@ def tokenizer_dir(default_source) -> Path:
 
 
 def build_tiny_llama(folder: Path, tokenizer_dir: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4,
-                     kv_heads: int = 2, intermediate: int = 128, seed: int = 0, tie: bool = True) -> Path:
+                     kv_heads: int = 2, intermediate: int = 128, seed: int = 0, tie: bool = True,
+                     context: int = 2048) -> Path:
     """A random LLaMA with the default model's tokenizer (so prompts and chat templates are real)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -34,7 +35,7 @@ def build_tiny_llama(folder: Path, tokenizer_dir: Path, *, hidden: int = 64, lay
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=2048, tie_word_embeddings=tie, bos_token_id=tok.bos_token_id,
+                      max_position_embeddings=context, tie_word_embeddings=tie, bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, rms_norm_eps=1e-5,
                       rope_theta=10000.0)
     torch.manual_seed(seed)

@@ -44,7 +44,8 @@ def make_app(model_dir, **kw):
     from qtoolkit.engine import Engine, EngineConfig
     from qtoolkit.server import create_app
 
-    engine = Engine(str(model_dir), EngineConfig(kv_cache_memory="16MiB", max_num_seqs=kw.pop("max_num_seqs", 32)))
+    engine = Engine(str(model_dir), EngineConfig(kv_cache_memory=kw.pop("kv_cache_memory", "16MiB"),
+                                              max_num_seqs=kw.pop("max_num_seqs", 32)))
     return create_app(engine, **kw)
 
 

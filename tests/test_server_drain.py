@@ -20,13 +20,23 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from conftest import build_tiny_llama
 from test_server import TIMEOUT, make_app
 
 from qtoolkit.io import write_json
 from qtoolkit.server.drain import DrainingServer
 from qtoolkit.server.process import _wait_healthy, free_port
 
-LONG = 2040  # tokens (the tiny model's context is 2048): none finishes within the tests' 2 s shutdown timeouts
+# tokens: a step per token cannot take under 33 us, so none finishes within the tests' 2 s shutdown timeouts on any
+# machine (2040 on the 2048-token tiny model finished in 2 s on a fast CI runner)
+LONG = 60_000
+KV = "256MiB"  # holds every long request's whole length, as admission asks
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """The tiny random model with a 64k context, so a request can outlast any drain window."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-64k"), tokenizer_dir, context=65_536)
 
 
 class Client(threading.Thread):
@@ -92,12 +102,12 @@ def refused_while_draining(url: str) -> None:
     assert r.json()["error"]["code"] == "shutting_down" and r.headers["connection"] == "close"
 
 
-def test_sigterm_drains_qtool_serve_and_exits_0(tiny_model_dir):
+def test_sigterm_drains_qtool_serve_and_exits_0(long_model_dir):
     """The issue's bar: 8 streams in flight, SIGTERM: each is complete or ends with a clean error event, no 500,
     no traceback in the log, 503 for new requests during the drain, exit 0 within the timeout."""
     port, shutdown_timeout = free_port(), 2.0
-    cmd = [sys.executable, "-m", "qtoolkit", "serve", "--model", str(tiny_model_dir), "--port", str(port),
-           "--kv-cache-memory", "64MiB", "--shutdown-timeout", str(shutdown_timeout), "--log-level", "info"]
+    cmd = [sys.executable, "-m", "qtoolkit", "serve", "--model", str(long_model_dir), "--port", str(port),
+           "--kv-cache-memory", KV, "--shutdown-timeout", str(shutdown_timeout), "--log-level", "info"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", QTOOLKIT_QUIET="1")
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -164,8 +174,8 @@ class Running:
         return not self.thread.is_alive()
 
 
-def test_default_timeout_ends_in_flight_streams_at_once_and_frees_their_kv(tiny_model_dir):
-    run = Running(make_app(tiny_model_dir, max_num_seqs=8))
+def test_default_timeout_ends_in_flight_streams_at_once_and_frees_their_kv(long_model_dir):
+    run = Running(make_app(long_model_dir, kv_cache_memory=KV, max_num_seqs=8))
     clients = start_clients(run.url, [LONG] * 3)
     t = time.monotonic()
     run.signal()
@@ -180,8 +190,8 @@ def test_default_timeout_ends_in_flight_streams_at_once_and_frees_their_kv(tiny_
     assert run.state.drain.ended == 3
 
 
-def test_drain_lets_running_requests_finish_and_refuses_new_ones(tiny_model_dir):
-    run = Running(make_app(tiny_model_dir, max_num_seqs=8, shutdown_timeout_s=60))
+def test_drain_lets_running_requests_finish_and_refuses_new_ones(long_model_dir):
+    run = Running(make_app(long_model_dir, kv_cache_memory=KV, max_num_seqs=8, shutdown_timeout_s=60))
     clients = start_clients(run.url, [400] * 3)  # each runs for a second or more after the signal
     run.signal()
     time.sleep(0.1)
@@ -194,8 +204,8 @@ def test_drain_lets_running_requests_finish_and_refuses_new_ones(tiny_model_dir)
     assert run.state.engine.stats().kv_blocks_used == 0
 
 
-def test_a_second_signal_ends_the_drain_at_once(tiny_model_dir):
-    run = Running(make_app(tiny_model_dir, max_num_seqs=8, shutdown_timeout_s=600))
+def test_a_second_signal_ends_the_drain_at_once(long_model_dir):
+    run = Running(make_app(long_model_dir, kv_cache_memory=KV, max_num_seqs=8, shutdown_timeout_s=600))
     clients = start_clients(run.url, [LONG] * 2)
     run.signal(signal.SIGTERM)
     time.sleep(0.2)
@@ -208,8 +218,8 @@ def test_a_second_signal_ends_the_drain_at_once(tiny_model_dir):
     assert run.state.engine.stats().kv_blocks_used == 0
 
 
-def test_a_non_streaming_request_ended_by_the_shutdown_gets_a_json_503(tiny_model_dir):
-    run = Running(make_app(tiny_model_dir, max_num_seqs=8))
+def test_a_non_streaming_request_ended_by_the_shutdown_gets_a_json_503(long_model_dir):
+    run = Running(make_app(long_model_dir, kv_cache_memory=KV, max_num_seqs=8))
     box: dict = {}
 
     def post() -> None:
