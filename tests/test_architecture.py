@@ -222,8 +222,9 @@ def test_measurements_hold_evidence_not_code():
 
 # ---- the evidence's types: signoff/ and bench/ hand each other objects, not dicts read by key path ----------
 TYPED_ROOMS = ("qtoolkit/signoff/", "qtoolkit/bench/")
-# `dict[str, Any]` in the signatures (parameters and returns) of signoff/ and bench/; this number only goes down
-MAX_DICT_ANY_IN_SIGNATURES = 144
+# `dict[str, Any]` in the signatures (parameters and returns) of signoff/ and bench/ outside the JSON
+# (de)serialisers (to_json / from_json); this number only goes down (144 counting the serialisers at the start)
+MAX_DICT_ANY_IN_SIGNATURES = 103
 
 
 def _our_modules_bound(module: str, path: Path, tree: ast.Module) -> set[str]:
@@ -287,13 +288,18 @@ def test_no_chained_get_or_empty():
     assert _chained_gets() == []
 
 
+def _serialiser(name: str) -> bool:
+    """A JSON (de)serialiser: the one place a dict of the file's shape is the right type."""
+    return name in ("to_json", "from_json") or name.endswith(("_to_json", "_from_json"))
+
+
 def _dict_any_in_signatures() -> list[str]:
     out = []
     for path in MODULES.values():
         if not _rel(path).startswith(TYPED_ROOMS):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _serialiser(node.name):
                 a = node.args
                 for ann in [x.annotation for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]] + [node.returns]:
                     if ann is not None:

@@ -96,6 +96,36 @@ def test_failing_policy_gate_gives_fail_and_names_it(run_dir, tiny_model_dir, tm
     assert report["verdict"] == "FAIL" and any("code.kld_p99" in r for r in report["reasons"])
 
 
+def test_a_capacity_policy_measures_paired_searches_and_opens_the_report_with_them(run_dir, tiny_model_dir,
+                                                                                   tmp_path):
+    """The policy's SLO makes the bench step search both servers' capacity in rounds; the gate, the report's first
+    lines and --rejudge read them."""
+    import yaml
+
+    policy = load_policy("default").model_dump()
+    policy["throughput"]["capacity"] = {"slo": {"ttft_ms": 150}, "min_ratio": 0.5, "requests_per_probe": 8}
+    path = tmp_path / "capacity.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    out = tmp_path / "copy"
+    shutil.copytree(run_dir, out)
+    args = ["signoff", "--model", str(tiny_model_dir), "--recipe", "int4-rtn", "--policy", str(path), *ARGS,
+            "--output", str(out)]
+    assert main(args) in (0, 1, 3)
+    bench = json.loads((out / "bench.json").read_text())
+    capacity = bench["capacity"]
+    assert capacity["pair"] == ["baseline_continuous", "candidate_continuous"] and len(capacity["sweeps"]) == 3
+    assert all(len(r[x]["points"]) >= 2 for r in capacity["sweeps"] for x in capacity["pair"])
+    report = json.loads((out / "report.json").read_text())
+    gate = next(g for g in report["gates"] if g["name"] == "throughput.capacity_ratio")
+    assert gate["verdict"] in ("PASS", "FAIL", "INCONCLUSIVE", "NO EVIDENCE")
+    head = (out / "report.md").read_text().split("## Gates")[0]
+    assert "p99 TTFT <= 150 ms" in head and "Capacity" in head
+    before = {k: v for k, v in report.items() if k != "provenance"}
+    assert main([*args, "--rejudge"]) in (0, 1, 3)
+    again = json.loads((out / "report.json").read_text())
+    assert {k: v for k, v in again.items() if k != "provenance"} == before
+
+
 def test_inconclusive_gate_draws_more_items(run_dir, tiny_model_dir, tmp_path, capsys):
     """A bound at the measured KLD itself straddles its CI: the sign-off draws more code items, up to the budget."""
     first = json.loads((run_dir / "report.json").read_text())

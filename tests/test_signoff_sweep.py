@@ -14,7 +14,7 @@ from qtoolkit.signoff.error_spending import plan
 from qtoolkit.signoff.family import fallback, look_levels
 from qtoolkit.signoff.judge import Gate
 from qtoolkit.signoff.policy import load_policy
-from qtoolkit.signoff.ranking import Row, limit_fraction, ranked, recommendation, worst_gate
+from qtoolkit.signoff.ranking import Bought, Row, limit_fraction, ranked, recommendation, worst_gate
 from qtoolkit.signoff.sequential import stages
 
 
@@ -37,15 +37,16 @@ def test_family_look_levels_are_the_signoffs_design_scaled_to_the_share():
     assert look_levels(8, 8, 0.05 / 2) == pytest.approx({8: 1 - 0.025})  # one look: the share itself
 
 
-def _row(name: str, verdict: str, family: str, ratio: float, worst: float | None = 0.5, reasons=()) -> Row:
-    return Row(name, verdict, family, 0.05 / 3, ratio, None, "code.kld_mean", worst, worst, list(reasons), None)
+def _row(name: str, verdict: str, family: str, ratio: float, worst: float | None = 0.5, reasons=(),
+         bought: Bought | None = None) -> Row:
+    return Row(name, verdict, family, 0.05 / 3, ratio, bought, "code.kld_mean", worst, worst, list(reasons), None)
 
 
 def test_recommendation_is_the_cheapest_family_pass_and_exit_codes_follow_the_rule():
     rows = [_row("fp8", "PASS", "PASS", 0.50), _row("int4", "PASS", "PASS", 0.27),
             _row("int3", "FAIL", "FAIL", 0.20, 3.0, ["gate code.kld_mean fail: ..."])]
     name, line, code = recommendation(rows)
-    assert (name, code) == ("int4", 0) and line.startswith("ship `int4`: the cheapest candidate")
+    assert (name, code) == ("int4", 0) and line.startswith("ship `int4`: quality passes every gate")
     assert [r.name for r in ranked(rows)] == ["int4", "fp8", "int3"]
     # passes alone but not at its family share: nothing recommended, undecided (3)
     name, line, code = recommendation([_row("fp8", "PASS", "INCONCLUSIVE", 0.5), _row("int3", "FAIL", "FAIL", 0.2)])
@@ -56,6 +57,18 @@ def test_recommendation_is_the_cheapest_family_pass_and_exit_codes_follow_the_ru
     assert (name, code) == (None, 1) and "the closest is `a` because gate x fail: far" in line
     assert recommendation([_row("a", "INCONCLUSIVE", "INCONCLUSIVE", 0.5), _row("b", "FAIL", "FAIL", 0.2)])[2] == 3
     assert recommendation([_row("a", "ERROR", "ERROR", 0.5, None), _row("b", "FAIL", "FAIL", 0.2)])[2] == 2
+
+
+def test_the_ranking_puts_what_a_deployment_buys_before_weight_bytes():
+    slo = "p99 TTFT <= 2000 ms"
+    rows = [_row("int4", "PASS", "PASS", 0.27, bought=Bought("capacity", 1.2, (0.95, 1.5), slo=slo)),
+            _row("fp8", "PASS", "PASS", 0.50, bought=Bought("capacity", 1.7, (1.4, 2.1), slo=slo)),
+            _row("int8", "PASS", "PASS", 0.52, bought=Bought("capacity", 1.7, (1.4, 2.1), slo=slo))]
+    assert [r.name for r in ranked(rows)] == ["fp8", "int8", "int4"]  # the lower bound, then the bytes
+    name, line, _ = recommendation(rows)
+    assert name == "fp8" and "1.7x [1.4, 2.1] the requests/s at p99 TTFT <= 2000 ms" in line
+    assert rows[1].to_json()["throughput"] == {"what": "capacity", "ratio": 1.7, "ci": [1.4, 2.1],
+                                              "concurrency": 0, "slo": slo}
 
 
 def test_worst_gate_skips_a_gate_without_evidence():

@@ -23,9 +23,11 @@ from ..errors import QToolError
 from ..progress import status
 from ..provenance import provenance
 from ..server.process import ControlledServer, controlled_server
+from .capacity import CapacityPlan, CapacityRounds, PairProbe, paired_capacity
 from .load_client import requests_sha256, run_load, served_models, summarize, warm_up
-from .loop import Tier, TierLoop, TierRecord
+from .loop import Tier, TierLoop, TierRecord, fresh_requests
 from .memory import peak_memory, sized_engine
+from .summary import TierSummary
 from .systems import System
 from .types import BenchRequest, Workload
 from .workloads import as_workload
@@ -106,14 +108,16 @@ class AblationBench:
     systems: list[str] = field(default_factory=list)
     rounds: int | None = None  # config.rounds: every system's rounds at every tier (the speed gates' first look)
     speed_rounds: SpeedRounds | None = None
+    capacity: CapacityRounds | None = None  # the capacity gate's paired searches, when the policy sets an SLO
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> AblationBench:
         config = d.get("config")
-        speed = d.get("speed_rounds")
+        speed, capacity = d.get("speed_rounds"), d.get("capacity")
         return cls([TierRecord.from_json(t) for t in d.get("tiers") or []],
                    list(config.get("systems") or []) if config else [], config.get("rounds") if config else None,
-                   SpeedRounds.from_json(speed) if speed else None)
+                   SpeedRounds.from_json(speed) if speed else None,
+                   CapacityRounds.from_json(capacity) if capacity else None)
 
     @property
     def table(self) -> AblationTable:
@@ -151,6 +155,7 @@ class _Bench:
     repeat: list[str]
     every_tier: bool = False
     speed: SpeedLooks | None = None
+    capacity: CapacityPlan | None = None
     servers: dict[str, tuple[ControlledServer, str]] = field(default_factory=dict)
 
     def start(self, stack: contextlib.ExitStack, quant: str, model: str) -> None:
@@ -168,6 +173,26 @@ class _Bench:
         server.set_mode(**_mode(system, self.engine))  # also empties the prefix cache: a fresh server's state
         res, duration = asyncio.run(run_load(server.url, served, reqs, concurrency=c, seed=s))
         return summarize(res, duration)
+
+    def capacity_probe(self, loop: TierLoop) -> PairProbe:
+        """One open-loop probe of a system at a rate on requests no tier or round had (the prefix cache would
+        serve a repeated prompt)."""
+        assert self.capacity is not None
+        plan = self.capacity
+
+        def probe(label: str, rate: float, k: int) -> TierSummary:
+            system = next(x for x in self.systems if x.label == label)
+            server, served = self.servers[str(system.quant)]
+            server.set_mode(**_mode(system, self.engine))
+            reqs = fresh_requests(self.traffic, plan.requests_per_probe, loop.requests + loop.round_requests,
+                                  seed=self.seed + 5000 + k, mean_output_tokens=self.mean_output_tokens,
+                                  max_output_tokens=self.max_output_tokens)
+            loop.round_requests.extend(reqs)
+            res, duration = asyncio.run(run_load(server.url, served, reqs, concurrency=len(reqs), rate=rate,
+                                                 seed=self.seed + k))
+            return TierSummary.of(res, duration, slo=plan.slo, rate=rate)
+
+        return probe
 
     def loop(self, labels: list[str]) -> TierLoop:
         return TierLoop(labels, self.measure, self.traffic, self.seed, self.mean_output_tokens,
@@ -200,7 +225,7 @@ def bench_candidates(baseline: str | Path, candidates: dict[str, str | Path], en
                      concurrency: list[int], num_requests: int | None = None, mean_output_tokens: int = 48,
                      max_output_tokens: int = 96, workload: str | Workload = "mixed", seed: int = 0,
                      rounds: int = 1, repeat: tuple[str, ...] | None = ("baseline_static", "full_stack"),
-                     speed: SpeedLooks | None = None,
+                     speed: SpeedLooks | None = None, capacity: CapacityPlan | None = None,
                      on_candidate: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, dict[str, Any]]:
     """The ablation of each candidate against one baseline, holding at most two servers (the baseline's, kept,
     and one candidate's at a time), each switched between batching modes and speculation between measurements.
@@ -212,7 +237,8 @@ def bench_candidates(baseline: str | Path, candidates: dict[str, str | Path], en
     runs as each one finishes.
 
     `repeat` None: every system serves `rounds` rounds at every tier (each layer gets an interval per tier);
-    `speed` then adds rounds of the speed gates' pair (speed_pair) until they decide."""
+    `speed` then adds rounds of the speed gates' pair (speed_pair) until they decide; `capacity` then runs the
+    pair's paired capacity searches (bench/capacity.py) into the result's `capacity`."""
     traffic = as_workload(workload)
     # every server admits the top tier at once, whatever the caller's max_num_seqs
     engine = (engine or EngineConfig()).replace(max_num_seqs=max(concurrency))
@@ -223,7 +249,8 @@ def bench_candidates(baseline: str | Path, candidates: dict[str, str | Path], en
     everything = repeat is None
     repeat = tuple(labels) if repeat is None else repeat
     bench = _Bench(engine, traffic, systems, seed, mean_output_tokens, max_output_tokens, rounds,
-                   [full_stack_system(labels) if x == "full_stack" else x for x in repeat], everything, speed)
+                   [full_stack_system(labels) if x == "full_stack" else x for x in repeat], everything, speed,
+                   capacity)
     once, paired = _split(systems, bench.repeat)
     results: dict[str, dict[str, Any]] = {}
     with peak_memory() as peak, contextlib.ExitStack() as stack:
@@ -257,9 +284,10 @@ def _candidate(bench: _Bench, baseline: str, candidate: str, shared: list[Tier],
         loop = bench.loop(paired)
         own = loop.run(loop.plan(concurrency, num_requests))
         looks = _speed_rounds(bench, loop, shared, own)
+        capacity = _capacity(bench, loop, shared, own)
     bench.servers.pop("candidate", None)
     engine = bench.engine
-    extra = {} if looks is None else {"speed_rounds": looks}
+    extra = ({} if looks is None else {"speed_rounds": looks}) | ({} if capacity is None else {"capacity": capacity.to_json()})
     return {**extra, **provenance(baseline=baseline, candidate=candidate, workload_sha256=requests_sha256(loop.requests),
                          rounds_workload_sha256=requests_sha256(loop.round_requests)),
             "config": {"concurrency": concurrency, "workload": bench.traffic.describe(),
@@ -291,11 +319,23 @@ def _speed_rounds(bench: _Bench, loop: TierLoop, shared: list[Tier], own: list[T
     return so_far().to_json()
 
 
+def _capacity(bench: _Bench, loop: TierLoop, shared: list[Tier], own: list[Tier]) -> CapacityRounds | None:
+    """The capacity gate's paired searches of the speed gates' pair, after its rounds; each search starts at its
+    system's closed-loop requests/s at the top tier, halved (the SLO's capacity lies below that saturation)."""
+    if bench.capacity is None:
+        return None
+    labels = [s.label for s in bench.systems]
+    pair = speed_pair(labels)
+    top = [TierRecord.from_json(t) for t in _merge(shared, own, labels)][-1]
+    starts = {label: 0.5 * (top.requests_per_s(label) or 1.0) for label in pair}
+    return paired_capacity(bench.capacity_probe(loop), pair, bench.capacity, starts)
+
+
 def bench_ablation(baseline: str | Path, candidate: str | Path, engine: EngineConfig | None = None, *,
                    concurrency: list[int], num_requests: int | None = None, mean_output_tokens: int = 48,
                    max_output_tokens: int = 96, workload: str | Workload = "mixed", seed: int = 0, rounds: int = 1,
                    repeat: tuple[str, ...] | None = ("baseline_static", "full_stack"),
-                   speed: SpeedLooks | None = None) -> dict[str, Any]:
+                   speed: SpeedLooks | None = None, capacity: CapacityPlan | None = None) -> dict[str, Any]:
     """Every system on the same requests, tier by tier, alternating the order between tiers: bench_candidates
     with one candidate (two servers, switched between systems); its failure is raised.
 
@@ -306,7 +346,7 @@ def bench_ablation(baseline: str | Path, candidate: str | Path, engine: EngineCo
     result = bench_candidates(baseline, {"candidate": candidate}, engine, concurrency=concurrency,
                               num_requests=num_requests, mean_output_tokens=mean_output_tokens,
                               max_output_tokens=max_output_tokens, workload=workload, seed=seed, rounds=rounds,
-                              repeat=repeat, speed=speed)["candidate"]
+                              repeat=repeat, speed=speed, capacity=capacity)["candidate"]
     if "error" in result:
         raise QToolError(result["error"])
     return result

@@ -87,6 +87,11 @@ class TierRecord:
         r = self.results.get(label)
         return r["output_tok_per_s"] if r and r.get("completed") else None
 
+    def requests_per_s(self, label: str) -> float | None:
+        """The system's completed requests/s at this tier; None when it was not measured or completed nothing."""
+        r = self.results.get(label)
+        return r["requests_per_s"] if r and r.get("completed") else None
+
 
 def fresh_requests(workload: str | Workload, n: int, used: list[BenchRequest], *, seed: int,
                    mean_output_tokens: int, max_output_tokens: int) -> list[BenchRequest]:

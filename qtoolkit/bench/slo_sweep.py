@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import QToolError
@@ -50,15 +50,28 @@ class RatePoint:
                 "median_tpot_ms": ms(s.tpot.p50), "request_goodput": s.goodput, "summary": s.to_json()}
 
 
+def margin(summary: TierSummary, slo: SLO) -> float | None:
+    """How far the probe's p99s are from the SLO: the largest p99 / bound over the bounded latencies (<= 1 meets
+    it); None when a bounded latency was not measured."""
+    pairs = ((slo.ttft_ms, summary.ttft.p99), (slo.tpot_ms, summary.tpot.p99), (slo.e2el_ms, summary.e2el.p99))
+    fractions = [1000 * value / bound for bound, value in pairs if bound is not None and value is not None]
+    if len(fractions) < sum(bound is not None for bound, _ in pairs) or not fractions:
+        return None
+    return max(fractions)
+
+
 @dataclass(frozen=True)
 class SweepResult:
-    """The probes in the order measured, the capacity (highest passing rate; None when no rate passed) and the
-    lowest rate that failed (the bracket's upper end; None when the search never found one)."""
+    """The probes in the order measured, the capacity (highest passing rate; None when no rate passed), the
+    lowest rate that failed (the bracket's upper end; None when the search never found one) and `estimate`: the
+    rate where the p99 margin crosses the SLO, interpolated between the bracket's ends (a continuous figure, so
+    capacities compared over rounds are not stuck on the search's grid)."""
 
     slo: SLO
     points: list[RatePoint]
     capacity: float | None
     failed_at: float | None
+    estimate: float | None = None
 
     @property
     def saturated_rates(self) -> list[float]:
@@ -67,7 +80,8 @@ class SweepResult:
     def to_json(self) -> dict[str, Any]:
         return {"slo": {k: v for k, v in vars(self.slo).items() if v is not None}, "slo_text": self.slo.describe(),
                 "capacity_rps": self.capacity, "first_failing_rps": self.failed_at,
-                "saturated_rps": self.saturated_rates, "points": [p.to_json() for p in self.points]}
+                "capacity_estimate_rps": self.estimate, "saturated_rps": self.saturated_rates,
+                "points": [p.to_json() for p in self.points]}
 
 
 def classify(summary: TierSummary, slo: SLO) -> str:
@@ -76,37 +90,72 @@ def classify(summary: TierSummary, slo: SLO) -> str:
     return OK if slo.tier_meets(summary) else VIOLATED
 
 
+@dataclass
+class RateSearch:
+    """The bracketing search as a state machine, so two servers' searches can take turns probe by probe: the
+    rate grows by `step` from the start until a rate fails (or shrinks by it until one passes), then the bracket
+    is bisected geometrically until its ends are within `precision` of each other, at most `max_probes` probes."""
+
+    slo: SLO
+    start_rate: float
+    precision: float = 1.2
+    max_probes: int = 10
+    step: float = 2.0
+    min_rate: float = 1e-3
+    max_rate: float = 1e4
+    points: list[RatePoint] = field(default_factory=list)
+    lo: float | None = None
+    hi: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.start_rate > 0 and math.isfinite(self.start_rate)) or not self.precision > 1 \
+                or not self.step > 1:
+            raise QToolError(f"the SLO sweep needs a positive start rate and a precision > 1 (got "
+                             f"{self.start_rate}, {self.precision}): pass --slo-start-rate R")
+        self._rate = self.start_rate
+
+    def next_rate(self) -> float | None:
+        """The next rate to probe; None when the search is done."""
+        if len(self.points) >= self.max_probes:
+            return None
+        if self.lo is None or self.hi is None:
+            return self._rate if self.min_rate <= self._rate <= self.max_rate else None
+        return math.sqrt(self.lo * self.hi) if self.hi / self.lo > self.precision else None
+
+    def record(self, rate: float, summary: TierSummary) -> RatePoint:
+        point = RatePoint(rate, summary, classify(summary, self.slo))
+        self.points.append(point)
+        if point.passed:
+            self.lo = rate
+            self._rate = rate * self.step
+        else:
+            self.hi = rate
+            self._rate = rate / self.step
+        return point
+
+    def result(self) -> SweepResult:
+        return SweepResult(self.slo, list(self.points), self.lo, self.hi, self.estimate())
+
+    def estimate(self) -> float | None:
+        """Log-linear interpolation of the p99 margin between the highest passing and the lowest failing probe
+        (where it crosses 1); the bracket's geometric middle when the failing probe saturated (its latencies
+        grow with the run's length, so its margin is no reading) or a margin is missing."""
+        if self.lo is None or self.hi is None:
+            return None
+        below = next(p for p in self.points if p.rate == self.lo)
+        above = next(p for p in self.points if p.rate == self.hi)
+        m_lo, m_hi = margin(below.summary, self.slo), margin(above.summary, self.slo)
+        if above.status == SATURATED or m_lo is None or m_hi is None or not (0 < m_lo <= 1 < m_hi):
+            return math.sqrt(self.lo * self.hi)
+        t = -math.log(m_lo) / (math.log(m_hi) - math.log(m_lo))
+        return math.exp(math.log(self.lo) + t * (math.log(self.hi) - math.log(self.lo)))
+
+
 def slo_sweep(probe: Probe, slo: SLO, *, start_rate: float, precision: float = 1.2, max_probes: int = 10,
               min_rate: float = 1e-3, max_rate: float = 1e4) -> SweepResult:
-    """The bracketing search; `probe(rate, k)` runs the k-th probe. At most `max_probes` probes."""
-    if not (start_rate > 0 and math.isfinite(start_rate)) or not precision > 1:
-        raise QToolError(f"the SLO sweep needs a positive start rate and a precision > 1 (got {start_rate}, "
-                         f"{precision}): pass --slo-start-rate R")
-    points: list[RatePoint] = []
-
-    def run(rate: float) -> bool:
+    """The bracketing search on one server; `probe(rate, k)` runs the k-th probe."""
+    search = RateSearch(slo, start_rate, precision, max_probes, min_rate=min_rate, max_rate=max_rate)
+    while (rate := search.next_rate()) is not None:
         status(f"SLO sweep: {rate:.3g} requests/s ({slo.describe()})")
-        summary = probe(rate, len(points))
-        points.append(RatePoint(rate, summary, classify(summary, slo)))
-        return points[-1].passed
-
-    lo, hi = None, None
-    rate = start_rate
-    while len(points) < max_probes and min_rate <= rate <= max_rate:
-        if run(rate):
-            lo = rate
-            if hi is not None:
-                break
-            rate *= 2
-        else:
-            hi = rate
-            if lo is not None:
-                break
-            rate /= 2
-    while lo is not None and hi is not None and hi / lo > precision and len(points) < max_probes:
-        mid = math.sqrt(lo * hi)
-        if run(mid):
-            lo = mid
-        else:
-            hi = mid
-    return SweepResult(slo, points, lo, hi)
+        search.record(rate, probe(rate, len(search.points)))
+    return search.result()

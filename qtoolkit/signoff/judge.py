@@ -123,7 +123,8 @@ def evaluate_gates(policy: Policy, evals: EvalResults | None, table: AblationTab
         if lo is not None:
             j = verdicts.with_interval_method(j, rounds.ci.method, rounds.ci.coverage, rounds.ci.reliable, "rounds")
         gates.append(Gate.of("throughput", attr, j, point, judged))
-    if policy.throughput.min_decode_speedup is not None or policy.throughput.prefill_margin is not None:
+    t = policy.throughput
+    if t.min_decode_speedup is not None or t.prefill_margin is not None or t.capacity is not None:
         for fig in speed_ratios(bench, policy):
             gates.append(Gate.of("throughput", speed_gate_name(fig), judge_speed(fig, policy), fig.ratio,
                                  fig.ci[0] if fig.complete and fig.ci else None))

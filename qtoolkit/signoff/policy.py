@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..bench.summary import SLO
 from ..errors import QToolError
 from ..evals.summary import Figure, TaskSummary, TokenStat
 from ..yaml_safe import load_yaml_file
@@ -90,6 +91,36 @@ class Bound(BaseModel):
     required: bool = True  # False: the gate is shown but its INCONCLUSIVE / no evidence does not hold the verdict
 
 
+class SLOBounds(BaseModel):
+    """p99 latency objectives in milliseconds (vLLM's --goodput names); at least one."""
+
+    model_config = ConfigDict(extra="forbid")
+    ttft_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    tpot_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    e2el_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> SLOBounds:
+        if self.ttft_ms is None and self.tpot_ms is None and self.e2el_ms is None:
+            raise ValueError("an SLO needs at least one of ttft_ms, tpot_ms, e2el_ms")
+        return self
+
+    def slo(self) -> SLO:
+        return SLO(self.ttft_ms, self.tpot_ms, self.e2el_ms)
+
+
+class CapacityGate(BaseModel):
+    """Capacity at an SLO (qtoolkit/signoff/speed.py, bench/capacity.py): candidate / baseline of the highest
+    open-loop request rate each server carries within `slo`, lower bound over the paired searches' rounds at
+    least `min_ratio`."""
+
+    model_config = ConfigDict(extra="forbid")
+    slo: SLOBounds
+    min_ratio: float = Field(gt=0, allow_inf_nan=False)
+    rounds: int = Field(default=3, ge=2, le=20)  # paired searches; two at least, or there is no interval
+    requests_per_probe: int = Field(default=16, ge=4, le=1024)
+
+
 class ThroughputGates(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # the speed gates (qtoolkit/signoff/speed.py): candidate against baseline under the same serving
@@ -97,6 +128,7 @@ class ThroughputGates(BaseModel):
     min_decode_speedup: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # TPOT baseline / candidate
     prefill_margin: float | None = Field(default=None, ge=0, lt=1, allow_inf_nan=False)  # TTFT >= 1 - margin
     tiers: list[Annotated[int, Field(gt=0)]] | None = Field(default=None, min_length=1)
+    capacity: CapacityGate | None = None
     # deprecated for local sign-offs (credits the batching layer to the recipe; judged at the top tier only):
     # full stack (candidate, continuous batching, speculation if enabled) / baseline static batching, output tok/s;
     # a deployment sign-off's candidate / baseline endpoint

@@ -30,6 +30,31 @@ RECOMMENDED = "RECOMMENDED"
 
 
 @dataclass(frozen=True)
+class Bought:
+    """What a deployment buys with a candidate, over the baseline: capacity at the policy's SLO when it sets one
+    (`what` "capacity"), else per-stream decode at the top tier ("decode"), else the full stack's throughput
+    ("full_stack"); > 1 favours the candidate."""
+
+    what: str
+    ratio: float | None
+    ci: tuple[float, float] | None = None
+    concurrency: int = 0
+    slo: str | None = None
+
+    def words(self) -> str:
+        ci = f" [{fmt(self.ci[0], 3)}, {fmt(self.ci[1], 3)}]" if self.ci else ""
+        if self.what == "capacity":
+            return f"{fmt(self.ratio, 3)}x{ci} the requests/s at {self.slo or 'the SLO'}"
+        if self.what == "decode":
+            return f"decodes {fmt(self.ratio, 3)}x{ci} as fast per stream at c={self.concurrency}"
+        return f"full stack {fmt(self.ratio, 3)}x{ci} the baseline's throughput"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"what": self.what, "ratio": self.ratio, "ci": None if self.ci is None else list(self.ci),
+                "concurrency": self.concurrency, **({"slo": self.slo} if self.slo else {})}
+
+
+@dataclass(frozen=True)
 class Row:
     """One candidate in the ranking."""
 
@@ -38,7 +63,7 @@ class Row:
     family_verdict: str
     family_alpha: float
     linear_ratio: float | None  # linear weights' bytes / bf16
-    throughput: dict[str, Any] | None  # the full stack over the baseline at the top tier: ratio, ci
+    throughput: Bought | None
     worst_gate: str | None
     worst_fraction: float | None  # the gate's judged CI end as a fraction of its limit (> 1: past it)
     worst_quality_fraction: float | None
@@ -48,7 +73,7 @@ class Row:
     family: dict[str, Any] | None = None  # FamilyJudgement.to_json()
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return dict(self.__dict__) | {"throughput": None if self.throughput is None else self.throughput.to_json()}
 
 
 def limit_fraction(g: Gate, policy: Policy) -> float | None:
@@ -84,16 +109,22 @@ def worst_gate(gates: list[Gate], policy: Policy, quality_only: bool = False) ->
 
 
 def ranked(rows: list[Row]) -> list[Row]:
-    """Recommendable first, then PASS, INCONCLUSIVE, FAIL, ERROR: the passing ones cheapest first, the others
-    nearest their limits first (the candidate to look at next)."""
+    """Recommendable first, then PASS, INCONCLUSIVE, FAIL, ERROR: the passing ones by what a deployment buys
+    (the lower end of the capacity or decode interval, highest first; a point when there is no interval) and then
+    the fewest weight bytes, the others nearest their limits first (the candidate to look at next)."""
     order = {verdicts.PASS: 1, verdicts.INCONCLUSIVE: 2, verdicts.FAIL: 3, verdicts.ERROR: 4}
     inf = float("inf")
 
-    def key(r: Row) -> tuple[int, float]:
+    def bought(r: Row) -> float:
+        t = r.throughput
+        value = (t.ci[0] if t.ci else t.ratio) if t is not None else None
+        return -value if value is not None else inf
+
+    def key(r: Row) -> tuple[int, float, float]:
         first = 0 if r.family_verdict == verdicts.PASS else order.get(r.verdict, 4)
         if first <= 1:
-            return first, r.linear_ratio if r.linear_ratio is not None else inf
-        return first, r.worst_fraction if r.worst_fraction is not None else inf
+            return first, bought(r), r.linear_ratio if r.linear_ratio is not None else inf
+        return first, r.worst_fraction if r.worst_fraction is not None else inf, 0.0
     return sorted(rows, key=key)
 
 
@@ -103,9 +134,9 @@ def recommendation(rows: list[Row]) -> tuple[str | None, str, int]:
     ship = [r for r in ranked(rows) if r.family_verdict == verdicts.PASS]
     if ship:
         r = ship[0]
-        return r.name, (f"ship `{r.name}`: the cheapest candidate that passes every gate (linear weights "
-                        f"{fmt(r.linear_ratio, 3)}x of bf16{_speed(r)}; judged at {r.family_alpha:.2%} of the 5% "
-                        "family-wise error)"), 0
+        return r.name, (f"ship `{r.name}`: quality passes every gate{_speed(r)} (linear weights "
+                        f"{fmt(r.linear_ratio, 3)}x of bf16; judged at {r.family_alpha:.2%} of the 5% family-wise "
+                        "error; the passing candidate that buys the most, then the cheapest)"), 0
     alone = [r for r in rows if r.verdict == verdicts.PASS]
     judged = [r for r in rows if r.verdict != verdicts.ERROR]
     closest = min(judged, key=lambda r: r.worst_fraction if r.worst_fraction is not None else float("inf"),
@@ -129,18 +160,38 @@ def recommendation(rows: list[Row]) -> tuple[str | None, str, int]:
 
 
 def _speed(r: Row) -> str:
-    if not r.throughput:
-        return ""
-    ci = r.throughput.get("ci")
-    ci_text = f" [{fmt(ci[0], 3)}, {fmt(ci[1], 3)}]" if ci else ""
-    if r.throughput.get("what") == "decode":  # the speed gates' figure: per-stream decode, same serving config
-        return (f", decodes {fmt(r.throughput.get('ratio'), 3)}x{ci_text} as fast per stream at "
-                f"c={r.throughput.get('concurrency')}")
-    return f", full stack {fmt(r.throughput.get('ratio'), 3)}x{ci_text} the baseline's throughput"
+    return f", {r.throughput.words()}" if r.throughput and r.throughput.ratio is not None else ""
 
 
 def pareto_plot(rows: list[Row]) -> str | None:
-    """Cost (weight bytes vs bf16) against the worst quality gate's CI end as a fraction of its limit."""
+    """Cost (weight bytes vs bf16) against what a deployment buys (capacity at the SLO, else decode per stream,
+    with its interval), the marker saying whether quality passes; without any speed figure, against the worst
+    quality gate's CI end as a fraction of its limit."""
+    pts = [r for r in rows if r.linear_ratio is not None and r.throughput and r.throughput.ratio is not None]
+    if not pts:
+        return _quality_plot(rows)
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.add_subplot()
+    for r in pts:
+        t = r.throughput
+        assert t is not None and t.ratio is not None
+        ok = r.verdict == verdicts.PASS
+        color = "#1a7f37" if r.family_verdict == verdicts.PASS else "#9a6700" if ok else "#cf222e"
+        yerr = [[t.ratio - t.ci[0]], [t.ci[1] - t.ratio]] if t.ci else None
+        ax.errorbar([r.linear_ratio], [t.ratio], yerr=yerr, fmt="o" if ok else "x", color=color, capsize=3)
+        ax.annotate(f"{r.name} ({r.verdict})", (r.linear_ratio, t.ratio), fontsize=8, xytext=(5, 4),
+                    textcoords="offset points")
+    ax.axhline(1.0, color="#57606a", linestyle="--", linewidth=1)
+    first = pts[0].throughput
+    assert first is not None
+    ax.set_xlabel("linear weight bytes / bf16 (cost)")
+    ax.set_ylabel(f"capacity at {first.slo or 'the SLO'} / baseline's" if first.what == "capacity"
+                  else "decode per stream / baseline's" if first.what == "decode" else "throughput / baseline's")
+    ax.set_title("candidates: cost against what a deployment buys (x = a gate does not pass)", fontsize=9)
+    return png(fig)
+
+
+def _quality_plot(rows: list[Row]) -> str | None:
     pts = [r for r in rows if r.linear_ratio is not None and r.worst_quality_fraction is not None]
     if not pts:
         return None
@@ -161,11 +212,11 @@ def pareto_plot(rows: list[Row]) -> str | None:
 
 def _markdown(verdict: str, line: str, rows: list[Row], peak: PeakMemory) -> str:
     lines = [f"# Release sign-off over {len(rows)} candidates: {verdict}", "", f"**{line}**", "",
-             "| rank | candidate | verdict | at its family share | linear bytes vs bf16 | speed vs baseline "
-             "(decode per stream, same serving config; else full stack) | worst gate | its CI end / limit |", "|---|---|---|---|---|---|---|---|"]
+             "| rank | candidate | verdict | at its family share | linear bytes vs bf16 | what it buys over the "
+             "baseline (capacity at the SLO; else decode per stream; else full stack) | worst gate | its CI end / "
+             "limit |", "|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(ranked(rows), 1):
-        tp = (_speed(r).removeprefix(", full stack ").removesuffix(" the baseline's throughput")
-              .removeprefix(", decodes ") or "-")
+        tp = _speed(r).removeprefix(", ") or "-"
         lines.append(f"| {i} | `{table_cell(r.name)}` | {r.verdict} | {r.family_verdict} at {r.family_alpha:.2%} | "
                      f"{fmt(r.linear_ratio, 3)} | {table_cell(tp)} | {table_cell(r.worst_gate or '-')} | "
                      f"{fmt(r.worst_fraction, 3)} |")

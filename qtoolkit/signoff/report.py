@@ -197,7 +197,8 @@ def markdown(report: SignoffReport) -> str:
     lines = [f"# Release sign-off: {report.verdict}", "",
              f"Model `{cfg['model']}` with recipe `{cfg['recipe']}` under policy `{report.policy.name}` "
              f"({report.provenance.get('created')}).", ""]
-    lines += speed_answer(ev.speed.figures if ev.speed else [], ev.speed.pair if ev.speed else None)
+    lines += speed_answer(ev.speed.figures if ev.speed else [], ev.speed.pair if ev.speed else None,
+                          ev.speed.slo if ev.speed else None)
     if report.reasons:
         why = {"FAIL": "Why it fails", "INCONCLUSIVE": "Why it is inconclusive"}.get(report.verdict, "Why")
         lines += [f"## {why}", ""] + [f"- {r}" for r in report.reasons] + [""]

@@ -37,7 +37,7 @@ from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
 from .sequential import describe_design, eval_step, planned_items
-from .speed import round_looks, speed_ratios, undecided
+from .speed import capacity_plan, round_looks, speed_ratios, undecided
 from .steps import STEPS, SignoffConfig, StepRunner, load_output
 from .verdict import Evidence, SpeedSection, decide
 
@@ -201,7 +201,8 @@ class SignoffRun:
         kwargs = {"concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
                   "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed, "rounds": cfg.rounds,
                   "repeat": repeat, "workload": custom_signoff.bench_workload(cfg.data, self.out / "eval.json"),
-                  "speed": SpeedLooks(looks, lambda bench: not undecided(bench, policy)) if speed else None}
+                  "speed": SpeedLooks(looks, lambda bench: not undecided(bench, policy)) if speed else None,
+                  "capacity": capacity_plan(policy)}
         inputs = {"candidate": self.cand_key, "baseline": self.source.sha256, "systems": [s.label for s in BASE_SYSTEMS],
                   "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
                   "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed, "speculative": cfg.speculative,
@@ -210,6 +211,8 @@ class SignoffRun:
         if speed:  # how many rounds get measured depends on the speed bounds
             inputs |= {"speed_looks": list(looks), "speed_bounds": policy.throughput.model_dump(
                 include={"min_decode_speedup", "prefill_margin", "tiers"})}
+        if policy.throughput.capacity is not None:  # what the searches measure (the bound only judges them)
+            inputs |= {"capacity": policy.throughput.capacity.model_dump(exclude={"min_ratio"})}
         return inputs, engine, kwargs
 
     def bench_done(self) -> bool:
@@ -290,7 +293,8 @@ def decide_and_write(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any],
                              quant=quant.summary if quant else None)
     bench = evidence.bench
     if bench is not None and bench.speed_rounds is not None:  # the report's first lines
-        evidence.speed = SpeedSection(list(bench.speed_rounds.pair), speed_ratios(bench, policy))
+        evidence.speed = SpeedSection(list(bench.speed_rounds.pair), speed_ratios(bench, policy),
+                                      bench.capacity.plan.slo.describe() if bench.capacity else None)
     evidence.gates = evaluate_gates(custom_signoff.gate_policy(policy, evidence.evals, cfg.data), evidence.evals,
                                     evidence.ablation, evidence.quant, bench)
     report = decide(evidence, config=asdict(cfg), policy=policy, provenance=provenance(

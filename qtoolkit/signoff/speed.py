@@ -4,7 +4,10 @@
 - decode: TPOT ratio baseline / candidate (per round: each side's median TPOT over the round's requests), its
   lower bound at least `throughput.min_decode_speedup`;
 - prefill: TTFT ratio baseline / candidate (per round: medians), non-inferiority: its lower bound at least
-  1 - `throughput.prefill_margin`.
+  1 - `throughput.prefill_margin`;
+- capacity: candidate / baseline of the highest open-loop request rate whose p99s meet `throughput.capacity.slo`
+  (per round: each server's estimate from the paired search, bench/capacity.py), lower bound at least
+  `throughput.capacity.min_ratio`; measured once per sign-off, not per tier (arrivals are open-loop).
 
 Only the recipe differs between the two systems, so a gain of the batching or speculation layer is never credited
 to the recipe (the ablation shows those layers, each with its interval, as the explanation).
@@ -26,15 +29,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..bench.ablation import AblationBench
+from ..bench.capacity import CapacityPlan, CapacityRounds
 from ..bench.loop import TierRecord
 from ..evals.stats.paired import current_confidence, ratio_over_rounds
 from . import gates as verdicts
 from .error_spending import Design, plan
 from .policy import Policy
 
-DECODE, PREFILL = "decode", "prefill"
+DECODE, PREFILL, CAPACITY = "decode", "prefill", "capacity"
 # (figure, the gate's metric name) per kind: what a round's ratio is made of
-KINDS = {DECODE: ("rounds_tpot", "decode_tpot_ratio"), PREFILL: ("rounds_ttft", "prefill_ttft_ratio")}
+KINDS = {DECODE: ("rounds_tpot", "decode_tpot_ratio"), PREFILL: ("rounds_ttft", "prefill_ttft_ratio"),
+         CAPACITY: ("estimates_rps", "capacity_ratio")}
 LOOK_STEP = 2  # rounds added per further look
 
 
@@ -73,15 +78,24 @@ class SpeedRatio:
     def of(cls, kind: str, tier: TierRecord, pair: tuple[str, str], level: float) -> SpeedRatio:
         """baseline / candidate of the pair's per-round medians; no figure when a round lacks one."""
         figures = getattr(tier, KINDS[kind][0]) or {}
-        base, cand = figures.get(pair[0]) or [], figures.get(pair[1]) or []
+        return cls.over_rounds(kind, tier.concurrency, figures.get(pair[0]) or [], figures.get(pair[1]) or [],
+                               level)
+
+    @classmethod
+    def over_rounds(cls, kind: str, concurrency: int, base: list[float | None], cand: list[float | None],
+                    level: float) -> SpeedRatio:
+        """The ratio in the direction where > 1 favours the candidate (times: baseline / candidate; capacity:
+        candidate / baseline) over the rounds both sides measured; no figure when a round lacks one."""
         n = min(len(base), len(cand))
         values = list(zip(base[:n], cand[:n], strict=True))
         if n == 0 or any(b is None or c is None or not b > 0 or not c > 0 or not math.isfinite(b + c)
                          for b, c in values):
-            return cls(kind, tier.concurrency, None, None, n, level)
-        r = ratio_over_rounds([b for b, _ in values], [c for _, c in values], confidence=level)
+            return cls(kind, concurrency, None, None, n, level)
+        num, den = ([c for _, c in values], [b for b, _ in values]) if kind == CAPACITY else \
+            ([b for b, _ in values], [c for _, c in values])
+        r = ratio_over_rounds(num, den, confidence=level)  # type: ignore[arg-type]
         ci = r.get("ci95")
-        return cls(kind, tier.concurrency, r["ratio"], None if ci is None else (ci[0], ci[1]), n, level,
+        return cls(kind, concurrency, r["ratio"], None if ci is None else (ci[0], ci[1]), n, level,
                    r.get("ci_method"), r.get("ci_coverage"), r.get("ci_reliable"), tuple(r["per_round"]))
 
     @property
@@ -113,6 +127,23 @@ def bench_level(bench: AblationBench, alpha: float | None = None) -> tuple[float
     return design.level_at(rounds), rounds
 
 
+def capacity_ratio(capacity: CapacityRounds, level: float) -> SpeedRatio:
+    """candidate / baseline capacity at the SLO over the paired search's rounds, at `level` (a fixed design: the
+    rounds are not extended while undecided)."""
+    base, cand = capacity.pair
+    return SpeedRatio.over_rounds(CAPACITY, 0, capacity.estimates(base), capacity.estimates(cand), level)
+
+
+def capacity_plan(policy: Policy) -> CapacityPlan | None:
+    """What the bench measures for the capacity gate, when the policy sets one."""
+    c = policy.throughput.capacity
+    return None if c is None else CapacityPlan(c.slo.slo(), c.rounds, c.requests_per_probe)
+
+
+def capacity_level(alpha: float | None = None) -> float:
+    return 1 - (1 - current_confidence() if alpha is None else alpha)
+
+
 def speed_ratios(bench: AblationBench | None, policy: Policy, alpha: float | None = None) -> list[SpeedRatio]:
     """Every speed figure the policy gates, at every tier it names (every bench tier when it names none)."""
     bench = bench or AblationBench([])
@@ -129,16 +160,23 @@ def speed_ratios(bench: AblationBench | None, policy: Policy, alpha: float | Non
             tier = tiers.get(c)
             out.append(SpeedRatio(kind, c, None, None, 0, level) if tier is None or len(pair) != 2
                        else SpeedRatio.of(kind, tier, (pair[0], pair[1]), level))
+    if policy.throughput.capacity is not None:
+        level = capacity_level(alpha)
+        out.append(capacity_ratio(bench.capacity, level) if bench.capacity is not None
+                   else SpeedRatio(CAPACITY, 0, None, None, 0, level))
     return out
 
 
 def judge_speed(fig: SpeedRatio, policy: Policy) -> verdicts.Judgement:
     """PASS when the lower end is within the bound, FAIL when the upper end is below it, else INCONCLUSIVE;
     a missing or non-finite end never passes. The detail names the level actually used."""
-    t = policy.throughput
-    minimum = t.min_decode_speedup if fig.kind == DECODE else 1 - (t.prefill_margin or 0.0)
+    minimum = speed_limit(KINDS[fig.kind][1], policy)
     assert minimum is not None
     where = f" at concurrency {fig.concurrency}" if fig.concurrency else ""
+    if fig.ratio is None and fig.kind == CAPACITY:
+        return verdicts.Judgement(verdicts.NO_EVIDENCE, "not measured: some round of the paired search found no "
+                                  "capacity for a server (it met the SLO at no rate tried, or at every one): see "
+                                  "bench.json's capacity sweeps, and loosen or tighten throughput.capacity.slo")
     if fig.ratio is None:
         return verdicts.Judgement(verdicts.NO_EVIDENCE, f"not measured{where}: the bench has no paired rounds of "
                                   "this tier (add the tier to --concurrency, and --rounds 3 or more)")
@@ -153,7 +191,8 @@ def judge_speed(fig: SpeedRatio, policy: Policy) -> verdicts.Judgement:
 
 def undecided(bench: AblationBench, policy: Policy) -> bool:
     """Whether another look could change a speed gate: some gate INCONCLUSIVE and none FAILed."""
-    js = [judge_speed(f, policy).verdict for f in speed_ratios(bench, policy)]
+    # the capacity gate's rounds are a fixed design measured after these, never extended by them
+    js = [judge_speed(f, policy).verdict for f in speed_ratios(bench, policy) if f.kind != CAPACITY]
     return verdicts.FAIL not in js and any(v == verdicts.INCONCLUSIVE for v in js)
 
 
@@ -166,6 +205,8 @@ def speed_limit(metric: str, policy: Policy) -> float | None:
         return t.min_decode_speedup
     if kind == PREFILL and t.prefill_margin is not None:
         return 1 - t.prefill_margin
+    if kind == CAPACITY and t.capacity is not None:
+        return t.capacity.min_ratio
     return None
 
 
@@ -174,19 +215,41 @@ def speed_gate_name(fig: SpeedRatio) -> str:
     return KINDS[fig.kind][1] + (f"@c{fig.concurrency}" if fig.concurrency else "")
 
 
-def speed_answer(figs: list[SpeedRatio], pair: list[str] | None) -> list[str]:
+def headline(figs: list[SpeedRatio], slo_text: str | None) -> str:
+    """One sentence in the user's units: "Decode 3.0x faster per stream at c=1 [2.6, 3.4], ...; first token
+    0.9x as soon ...; 1.2x the requests/s at p99 TTFT <= 2000 ms [1.0, 1.4]"."""
+
+    def at(f: SpeedRatio) -> str:
+        ci = f" [{f.ci[0]:.2f}, {f.ci[1]:.2f}]" if f.complete and f.ci else " (no interval)"
+        return f"{f.ratio:.2f}x" + (f" at c={f.concurrency}" if f.concurrency else "") + ci
+
+    said = []
+    for kind, words in ((DECODE, "Decode {} per stream"), (PREFILL, "first token {}"),
+                        (CAPACITY, "{} the requests/s at " + (slo_text or "the SLO"))):
+        these = [f for f in figs if f.kind == kind and f.ratio is not None]
+        if these:
+            said.append(words.format(", ".join(at(f) for f in these)))
+    if not said:
+        return "**No speed figure was measured.**"
+    text = "; ".join(said)
+    return f"**{text[0].upper()}{text[1:]}** (baseline / candidate times, candidate / baseline capacity: > 1 " \
+           "favours the candidate)."
+
+
+def speed_answer(figs: list[SpeedRatio], pair: list[str] | None, slo_text: str | None = None) -> list[str]:
     """The report's first lines: the speed answers in the user's units, each with its interval and level."""
     if not figs:
         return []
 
     def one(f: SpeedRatio) -> str:
+        where = f" at c={f.concurrency}" if f.concurrency else ""
         if f.ratio is None:
-            return f"not measured at c={f.concurrency}"
+            return f"not measured{where}"
         ci = f" [{f.ci[0]:.2f}, {f.ci[1]:.2f}]" if f.complete and f.ci else " (no interval)"
-        return f"{f.ratio:.2f}x at c={f.concurrency}{ci}"
+        return f"{f.ratio:.2f}x{where}{ci}"
 
-    levels = sorted({f"{f.level:.2%}" for f in figs if f.ratio is not None})
-    rounds = sorted({f.rounds for f in figs if f.ratio is not None})
+    levels = sorted({f"{f.level:.2%}" for f in figs if f.ratio is not None and f.kind != CAPACITY})
+    rounds = sorted({f.rounds for f in figs if f.ratio is not None and f.kind != CAPACITY})
     parts = []
     for kind, what in ((DECODE, "Decode (TPOT, baseline / candidate; > 1 = each stream faster)"),
                        (PREFILL, "First token (TTFT, baseline / candidate; > 1 = sooner)")):
@@ -194,9 +257,12 @@ def speed_answer(figs: list[SpeedRatio], pair: list[str] | None) -> list[str]:
         if these:
             parts.append(f"- {what}: " + "; ".join(one(f) for f in these))
     served = f"`{pair[1]}` against `{pair[0]}`" if pair else "candidate against baseline"
-    return ["## Speed, as a deployment sees it", "",
+    cap = [f for f in figs if f.kind == CAPACITY]
+    capacity = (f"- Capacity (requests/s meeting {slo_text or 'the SLO'}, candidate / baseline, open-loop, "
+                f"{cap[0].rounds} paired searches at {cap[0].level:.0%}): {one(cap[0])}") if cap else \
+        ("- Capacity at an SLO: not gated by this policy (set `throughput.capacity`, or `qtool bench serve --slo "
+         "ttft_ms=...,tpot_ms=...` measures it per server).")
+    return ["## Speed, as a deployment sees it", "", headline(figs, slo_text), "",
             f"{served}: the same serving configuration, only the recipe differs. Intervals at "
             f"{', '.join(levels) or '-'} over {', '.join(map(str, rounds)) or '-'} paired rounds "
-            "(the level of the look the rounds stopped at).", "", *parts,
-            "- Capacity at an SLO: not gated by this policy (`qtool bench serve --slo ttft_ms=...,tpot_ms=...` "
-            "measures it per server).", ""]
+            "(the level of the look the rounds stopped at).", "", *parts, capacity, ""]

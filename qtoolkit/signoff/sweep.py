@@ -37,7 +37,7 @@ from .deployment import judge_deployment, signoff_deployments
 from .family import FamilyJudgement, Rejudge, fallback, judge_at, look_levels
 from .judge import Gate, evaluate_gates
 from .policy import Policy, load_policy
-from .ranking import Row, worst_gate, write_sweep_reports
+from .ranking import Bought, Row, worst_gate, write_sweep_reports
 from .run import SignoffRun, check_config, check_speculative, decide_and_write
 from .steps import SignoffConfig, StepRunner, load_output
 from .verdict import SignoffReport
@@ -111,14 +111,18 @@ def row_of(c: Candidate, policy: Policy) -> Row:
     quant = ev.quant if ev else None
     top = ev.ablation.top if ev and ev.ablation else None
     rounds = RoundsRatio.from_json(top.total_speedup_rounds) if top else None
-    decode = [f for f in (ev.speed.figures if ev and ev.speed else []) if f.kind == "decode" and f.ratio is not None]
+    figs = ev.speed.figures if ev and ev.speed else []
+    # what a deployment buys: capacity at the policy's SLO, else the top tier's decode speedup (TPOT), else the
+    # full stack's throughput
+    bought = [f for f in figs if f.kind == "capacity" and f.ratio is not None] or \
+        [f for f in figs if f.kind == "decode" and f.ratio is not None]
     fam = c.family
     return Row(c.name, report.verdict if report else verdicts.ERROR, fam.verdict if fam else verdicts.ERROR,
                fam.alpha if fam else 0.0, quant.totals.linear_ratio_vs_bf16 if quant else None,
-               # what a deployment buys: the top tier's decode speedup (TPOT) when the policy gates speed
-               {"ratio": decode[-1].ratio, "ci": None if decode[-1].ci is None else list(decode[-1].ci),
-                "what": "decode", "concurrency": decode[-1].concurrency} if decode
-               else {"ratio": rounds.ratio, "ci": rounds.ci.bounds} if rounds else None, name, frac, qfrac,
+               Bought(bought[-1].kind, bought[-1].ratio, bought[-1].ci, bought[-1].concurrency,
+                      ev.speed.slo if bought[-1].kind == "capacity" and ev and ev.speed else None) if bought
+               else Bought("full_stack", rounds.ratio, None if rounds.ci.bounds is None else
+                           (rounds.ci.bounds[0], rounds.ci.bounds[1])) if rounds else None, name, frac, qfrac,
                list(report.reasons) if report else [], c.error, str(c.folder), fam.to_json() if fam else None)
 
 

@@ -47,13 +47,15 @@ class SpeedSection:
 
     pair: list[str]
     figures: list[SpeedRatio]
+    slo: str | None = None  # the capacity gate's SLO in words, when the policy sets one
 
     def to_json(self) -> dict[str, Any]:
-        return {"pair": list(self.pair), "figures": [f.to_json() for f in self.figures]}
+        return {"pair": list(self.pair), "figures": [f.to_json() for f in self.figures],
+                **({"slo": self.slo} if self.slo else {})}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SpeedSection:
-        return cls(list(d["pair"]), [SpeedRatio.from_json(f) for f in d["figures"]])
+        return cls(list(d["pair"]), [SpeedRatio.from_json(f) for f in d["figures"]], d.get("slo"))
 
 
 @dataclass(frozen=True)
