@@ -142,3 +142,17 @@ def test_false_pass_at_the_bound_is_within_five_percent(sigma):
     # the full grid is capacity_simulation's own run (measurements/2026-12-05/issue40c/); here two noise levels
     cell = simulate(sigma, 2.0, 3, runs=600, seed=3)
     assert cell.false_pass <= 0.05 and cell.mean_probes < 20
+
+
+def test_a_server_that_misses_the_slo_everywhere_stops_at_an_eighth_of_its_start():
+    """A probe lasts requests / rate: the search must not halve for ever on a server that never meets the SLO."""
+    rates: list[float] = []
+
+    def probe(label: str, rate: float, k: int) -> TierSummary:
+        rates.append(rate)
+        return TierSummary.of([_result(i, 5.0, 0.02, sent=i / rate) for i in range(16)], 16 / rate, rate=rate)
+
+    result = paired_capacity(probe, PAIR, CapacityPlan(SLO_TTFT, rounds=2), {PAIR[0]: 1.0, PAIR[1]: 1.0})
+    assert min(rates) >= 1.0 / 8 and result.estimates(PAIR[0]) == [None]  # no second round
+    g = _gate(AblationBench.from_json({"tiers": [], "capacity": result.to_json()}), _policy())
+    assert g.verdict == "NO EVIDENCE" and "an eighth of its start" in g.detail

@@ -23,6 +23,10 @@ from .slo_sweep import RatePoint, RateSearch, SweepResult
 from .summary import SLO, TierSummary
 
 FIRST_STEP, LATER_STEP, LATER_START = 2.0, 1.3, 1 / 1.15
+# a probe lasts requests / rate, so halving without end costs minutes a probe: a server that misses the SLO at an
+# eighth of its start (half its closed-loop requests/s at the top tier) has no capacity worth gating, and the
+# search stops there (the gate then says so instead of deciding)
+MAX_DROP = 8.0
 
 # (system label, rate, probe index) -> the summary of one open-loop run of that system at that rate
 PairProbe = Callable[[str, float, int], TierSummary]
@@ -82,14 +86,15 @@ def _next_start(result: SweepResult, start: float) -> float:
 
 def paired_capacity(probe: PairProbe, pair: tuple[str, str], plan: CapacityPlan,
                     starts: dict[str, float]) -> CapacityRounds:
-    """`plan.rounds` rounds; in each, the two systems' searches take turns probe by probe, the first to probe
-    alternating between rounds."""
+    """`plan.rounds` rounds (fewer when a round finds no capacity for a server); in each, the two systems'
+    searches take turns probe by probe, the first to probe alternating between rounds."""
     rounds: list[dict[str, SweepResult]] = []
     k = 0
     for r in range(plan.rounds):
         later = r > 0
         searches = {label: RateSearch(plan.slo, starts[label], plan.precision, plan.max_probes,
-                                      step=LATER_STEP if later else FIRST_STEP) for label in pair}
+                                      step=LATER_STEP if later else FIRST_STEP,
+                                      min_rate=starts[label] / MAX_DROP) for label in pair}
         order = list(pair) if r % 2 == 0 else list(reversed(pair))
         while True:
             turn = [(label, rate) for label in order if (rate := searches[label].next_rate()) is not None]
@@ -101,5 +106,7 @@ def paired_capacity(probe: PairProbe, pair: tuple[str, str], plan: CapacityPlan,
                 searches[label].record(rate, probe(label, rate, k))
                 k += 1
         rounds.append({label: s.result() for label, s in searches.items()})
+        if any(rounds[-1][label].estimate is None for label in pair):
+            break  # a server without a capacity in one round leaves the gate nothing to judge: no more probes
         starts = {label: _next_start(rounds[-1][label], starts[label]) for label in pair}
     return CapacityRounds(plan, pair, rounds)

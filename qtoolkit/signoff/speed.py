@@ -175,8 +175,9 @@ def judge_speed(fig: SpeedRatio, policy: Policy) -> verdicts.Judgement:
     where = f" at concurrency {fig.concurrency}" if fig.concurrency else ""
     if fig.ratio is None and fig.kind == CAPACITY:
         return verdicts.Judgement(verdicts.NO_EVIDENCE, "not measured: some round of the paired search found no "
-                                  "capacity for a server (it met the SLO at no rate tried, or at every one): see "
-                                  "bench.json's capacity sweeps, and loosen or tighten throughput.capacity.slo")
+                                  "capacity for a server (it met the SLO at no rate down to an eighth of its "
+                                  "start, or at every rate tried): see bench.json's capacity sweeps; on a loaded "
+                                  "machine run again, else set throughput.capacity.slo to what this hardware meets")
     if fig.ratio is None:
         return verdicts.Judgement(verdicts.NO_EVIDENCE, f"not measured{where}: the bench has no paired rounds of "
                                   "this tier (add the tier to --concurrency, and --rounds 3 or more)")
