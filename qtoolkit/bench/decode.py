@@ -16,6 +16,7 @@ import importlib.util
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -193,4 +194,63 @@ def format_table(report: dict[str, Any]) -> str:
     for name, r in report["systems"].items():
         lines.append(f"{name:<28} {r['decode_tok_per_s']:>12.1f}  " + ", ".join(f"{s:.1f}" for s in r["samples"]))
     lines += [f"{k} = {v:.2f}x" for k, v in report["ratios"].items()]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class SideBySideRow:
+    """One engine checkpoint against the first --model (fp32 when that is `default`), every figure from the same
+    interleaved rounds: decode tok/s and its median per-round ratio, the DRAM roofline fraction (None without the
+    breakdown), prefill tok/s and its median per-round ratio at each prompt length (empty without prefill)."""
+
+    system: str
+    decode_tok_per_s: float
+    decode_over_first: float
+    decode_round_ratios: list[float]
+    roofline_fraction: float | None
+    prefill_tok_per_s: dict[str, float]
+    prefill_over_first: dict[str, float]
+
+
+def side_by_side(report: dict[str, Any]) -> list[SideBySideRow]:
+    """Every engine system of a `bench decode` report over the first engine system, round by round (a ratio of
+    per-round ratios, so load that moves between rounds hits numerator and denominator alike)."""
+    engines = [name for name in report["systems"] if name.startswith("engine:")]
+    if not engines:
+        return []
+    first = report["systems"][engines[0]]
+    prefill = report.get("prefill", {}).get("systems", {})
+    rows = []
+    for name in engines:
+        r = report["systems"][name]
+        rounds = [a / b for a, b in zip(r["samples"], first["samples"], strict=True)]
+        pre = prefill.get(name, {})
+        base = prefill.get(engines[0], {})
+        rows.append(SideBySideRow(
+            system=name, decode_tok_per_s=round(r["decode_tok_per_s"], 2),
+            decode_over_first=round(statistics.median(rounds), 3), decode_round_ratios=[round(x, 3) for x in rounds],
+            roofline_fraction=r["roofline"]["median_fraction"] if "roofline" in r else None,
+            prefill_tok_per_s={n: round(v["prefill_tok_per_s"], 2) for n, v in pre.items()},
+            prefill_over_first={n: round(statistics.median(a / b for a, b in zip(v["samples"], base[n]["samples"],
+                                                                                 strict=True)), 3)
+                                for n, v in pre.items()}))
+    return rows
+
+
+def side_by_side_json(rows: list[SideBySideRow]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in rows]
+
+
+def format_side_by_side(rows: list[SideBySideRow]) -> str:
+    if not rows:
+        return ""
+    lengths = list(rows[0].prefill_tok_per_s)
+    head = f"{'system':<32} {'decode tok/s':>12} {'over first':>10} {'roofline':>8}"
+    head += "".join(f" {'prefill@' + n:>13} {'over first':>10}" for n in lengths)
+    lines = [head]
+    for r in rows:
+        roof = "-" if r.roofline_fraction is None else f"{100 * r.roofline_fraction:.0f}%"
+        line = f"{r.system:<32} {r.decode_tok_per_s:>12.1f} {r.decode_over_first:>9.2f}x {roof:>8}"
+        line += "".join(f" {r.prefill_tok_per_s[n]:>13.1f} {r.prefill_over_first[n]:>9.2f}x" for n in lengths)
+        lines.append(line)
     return "\n".join(lines)

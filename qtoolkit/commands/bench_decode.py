@@ -11,7 +11,8 @@ from ..io import write_json
 from ..progress import bar, status
 
 HELP = ("batch-1 greedy decode tok/s of one or more checkpoints in the engine against llama.cpp (the default "
-        "model's GGUF) and HF generate, interleaved rounds, ratios in the JSON")
+        "model's GGUF) and HF generate, interleaved rounds, ratios in the JSON; with several --model, a side-by-side "
+        "table (decode, roofline, --prefill-tokens prefill, each over the first --model)")
 
 
 EXAMPLES = """\
@@ -54,10 +55,13 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.decode import (
         context_prompt,
         engine_decoder,
+        format_side_by_side,
         format_table,
         hf_decoder,
         llama_cpp_decoder,
         run_decode_bench,
+        side_by_side,
+        side_by_side_json,
     )
     from ..bench.decode_breakdown import DecodeBreakdown, RooflineRounds, format_breakdown, format_roofline
     from ..kernels.roofline import measure_bandwidth
@@ -74,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     if not caches or any(c not in KV_CACHE_DTYPES for c in caches):
         raise QToolError(f"--kv-cache-dtype takes {', '.join(KV_CACHE_DTYPES)} (comma-separated), got "
                          f"{args.kv_cache_dtype!r}")
+    if args.threads is not None and args.threads < 1:
+        raise QToolError(f"--threads must be >= 1, got {args.threads}")
     if args.context_tokens < 0:
         raise QToolError(f"--context-tokens must be >= 0, got {args.context_tokens}")
     prefill_tokens = _prefill_lengths(args.prefill_tokens)
@@ -111,8 +117,10 @@ def run(args: argparse.Namespace) -> int:
         report = _with_breakdowns(report, systems, args.tokens)
     if prefill_prompts:
         report["prefill"] = _prefill_report(systems, prefill_prompts)
+    rows = side_by_side(report)
     report = {**provenance(command="bench decode", models=models, compare=peers, threads=threads,
-                           kv_cache_dtypes=caches, context_tokens=args.context_tokens), **report}
+                           kv_cache_dtypes=caches, context_tokens=args.context_tokens), **report,
+              "side_by_side": side_by_side_json(rows)}
     print(format_table(report))
     for name, r in report["systems"].items():
         if "breakdown" in r:
@@ -122,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         from ..bench.decode import format_prefill_table
 
         print(format_prefill_table(report["prefill"]))
+    if len(rows) > 1:
+        print(format_side_by_side(rows))
     path = write_json(args.output, report)
     status(f"wrote {path}")
     return 0
