@@ -148,3 +148,26 @@ def test_prefill_linears_take_the_fused_kernel(monkeypatch):
         torch.testing.assert_close(fused, run(), rtol=1e-5, atol=1e-4, msg=kind)
     assert len(calls) == 3
     assert cpu_build.cpu_kernels() is ext
+
+
+@pytest.mark.parametrize(("m", "k"), [(256, 576), (3, 21), (1, 8), (0, 16), (17, 1536)])
+def test_w8a8_quantization_and_rescale_ops_are_the_torch_ops_bit_for_bit(m, k):
+    """The W8A8 prefill's two engine ops against the torch ops they replace: per-token int8 quantization (an
+    all-zero row, one huge column, ties at .5 included) and the int32 sums' rescale."""
+    from qtoolkit.kernels.cpu_build import engine_ops
+    from qtoolkit.kernels.reference import quantize_activations
+
+    ops = engine_ops()
+    g = torch.Generator().manual_seed(m * k + 1)
+    x = torch.randn(m, k, generator=g) * 3
+    if m:
+        x[:, 0] *= 50
+        x[0] = 0
+    if m > 1:
+        x[1] = torch.arange(k, dtype=torch.float32) - k / 2  # whole and half steps of the scale
+    q, sx = ops.quantize_tokens_int8(x)
+    want_q, want_sx = quantize_activations(x, "int")
+    assert torch.equal(q, want_q) and torch.equal(sx, want_sx)
+    acc = torch.randint(-(2**22), 2**22, (m, k), dtype=torch.int32, generator=g)
+    sw = torch.rand(k, generator=g)
+    assert torch.equal(ops.int8_rescale(acc, sx, sw), acc.float() * sx * sw.reshape(1, -1))
