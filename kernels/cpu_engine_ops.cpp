@@ -784,6 +784,37 @@ torch::Tensor int8_rescale(torch::Tensor acc, torch::Tensor sx, torch::Tensor sw
   return out;
 }
 
+// The W8A8 prefill GEMM in one parallel region: each thread multiplies the int8 activations by a block of the
+// weight's rows (at::_int_mm, oneDNN's int8 GEMM, one thread inside the region) and rescales its int32 sums into
+// y's columns right away, as int8_rescale does (same bits): one fork/join per Linear instead of oneDNN's own
+// threading plus the rescale's, which on a shared machine each can wait a time slice for a descheduled thread.
+torch::Tensor int8_int8_matmul(torch::Tensor q, torch::Tensor sx, torch::Tensor w, torch::Tensor sw) {
+  TORCH_CHECK(q.scalar_type() == torch::kChar && q.dim() == 2 && q.is_contiguous(), "q must be int8 [M, K]");
+  TORCH_CHECK(w.scalar_type() == torch::kChar && w.dim() == 2 && w.is_contiguous() && w.size(1) == q.size(1),
+              "w must be contiguous int8 [N, K]");
+  const int64_t M = q.size(0), N = w.size(0);
+  TORCH_CHECK(sx.scalar_type() == torch::kFloat && sx.is_contiguous() && sx.numel() == M, "sx must be fp32 [M, 1]");
+  TORCH_CHECK(sw.scalar_type() == torch::kFloat && sw.is_contiguous() && sw.numel() == N, "sw must be fp32 [N]");
+  auto out = torch::empty({M, N}, sx.options());
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t rows = std::max<int64_t>(8, ((N + threads - 1) / threads + 7) / 8 * 8);
+  const int64_t blocks = (N + rows - 1) / rows;
+  const float* xs = sx.data_ptr<float>();
+  const float* ws = sw.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * rows, R = std::min(N, r0 + rows) - r0;
+      const auto acc = at::_int_mm(q, w.narrow(0, r0, R).t()).contiguous();
+      const int32_t* a = acc.data_ptr<int32_t>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < R; ++n)
+          o[m * N + r0 + n] = (static_cast<float>(a[m * R + n]) * xs[m]) * ws[r0 + n];
+    }
+  });
+  return out;
+}
+
 namespace {
 
 // One head of K or V into the quantized cache: scale = max|x| / qmax (or the calibrated `fixed` scale when > 0),
@@ -888,6 +919,7 @@ torch::Tensor rope_and_cache_quant(torch::Tensor qkv, torch::Tensor cos, torch::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fake_quant_tokens", &fake_quant_tokens, "per-token int8/FP8 quantize-dequantize of fp32 activations");
   m.def("quantize_tokens_int8", &quantize_tokens_int8, "per-token int8 quantization of fp32 activations (q, scale)");
+  m.def("int8_int8_matmul", &int8_int8_matmul, "(q @ w^T) * sx * sw: int8 x int8 GEMM by blocks of w's rows");
   m.def("int8_rescale", &int8_rescale, "int32 GEMM sums * token scale * channel scale -> fp32");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate|up projection");
   m.def("rope_and_cache", &rope_and_cache, "RoPE on q and k, k and v written into the paged cache");

@@ -71,6 +71,15 @@ def test_w8a8_prefill_multiplies_int8_by_int8_with_the_reference_activations(m, 
     assert dispatch.int8_int8_ok(lin)
     calls = []
     monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.dtype) or torch.ops.aten._int_mm(a, b))
+    ops = dispatch.engine_ops()
+
+    class Counting:  # the AVX2 build's path: one int8 x int8 GEMM op over blocks of the weight's rows
+        def __getattr__(self, name):
+            if name == "int8_int8_matmul":
+                return lambda q, *a: calls.append(q.dtype) or ops.int8_int8_matmul(q, *a)
+            return getattr(ops, name)
+
+    monkeypatch.setattr(dispatch, "engine_ops", Counting)
     x = torch.randn(m, k, generator=g) * 2
     y = lin(x)
     assert calls == [torch.int8]
@@ -171,3 +180,23 @@ def test_w8a8_quantization_and_rescale_ops_are_the_torch_ops_bit_for_bit(m, k):
     acc = torch.randint(-(2**22), 2**22, (m, k), dtype=torch.int32, generator=g)
     sw = torch.rand(k, generator=g)
     assert torch.equal(ops.int8_rescale(acc, sx, sw), acc.float() * sx * sw.reshape(1, -1))
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(256, 960, 576), (5, 3, 32), (0, 16, 32), (40, 100, 1536)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_w8a8_gemm_by_row_blocks_is_int_mm_then_the_rescale_bit_for_bit(m, n, k, threads):
+    from qtoolkit.kernels.cpu_build import engine_ops
+
+    ops = engine_ops()
+    g = torch.Generator().manual_seed(m + n + k)
+    q = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    sx, sw = torch.rand(m, 1, generator=g), torch.rand(n, generator=g)
+    want = (q.int() @ w.int().t()).float() * sx * sw.reshape(1, -1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = ops.int8_int8_matmul(q, sx, w, sw)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
