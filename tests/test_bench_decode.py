@@ -230,19 +230,15 @@ def test_cli_refuses_prefill_lengths_it_cannot_run(tiny_model_dir, tmp_path, cap
 def test_side_by_side_divides_round_by_round_by_the_first_engine():
     """Each engine checkpoint over the first --model: medians of per-round ratios for decode and for prefill at each
     length, the roofline fraction where the breakdown ran; peers (llama.cpp, hf) are left out."""
-    report = {"systems": {
-        "llama.cpp": {"decode_tok_per_s": 50.0, "samples": [50.0, 50.0, 50.0]},
-        "engine:fp32": {"decode_tok_per_s": 10.0, "samples": [10.0, 20.0, 10.0],
-                        "roofline": {"median_fraction": 0.9}},
-        "engine:fp8": {"decode_tok_per_s": 25.0, "samples": [25.0, 40.0, 30.0], "roofline": {"median_fraction": 0.5}}},
-        "prefill": {"systems": {
-            "engine:fp32": {"256": {"prefill_tok_per_s": 100.0, "samples": [100.0, 50.0, 100.0]}},
-            "engine:fp8": {"256": {"prefill_tok_per_s": 95.0, "samples": [95.0, 60.0, 90.0]}}}}}
-    first, fp8 = side_by_side(report)
+    decode = {"llama.cpp": [50.0, 50.0, 50.0], "engine:fp32": [10.0, 20.0, 10.0], "engine:fp8": [25.0, 40.0, 30.0]}
+    roofline = {"engine:fp32": 0.9, "engine:fp8": 0.5}
+    prefill = {"engine:fp32": {"256": [100.0, 50.0, 100.0]}, "engine:fp8": {"256": [95.0, 60.0, 90.0]}}
+    first, fp8 = side_by_side(decode, roofline, prefill)
     assert first.system == "engine:fp32" and first.decode_over_first == 1.0 and first.roofline_fraction == 0.9
     assert fp8.decode_round_ratios == [2.5, 2.0, 3.0] and fp8.decode_over_first == 2.5
-    assert fp8.prefill_tok_per_s == {"256": 95.0} and fp8.prefill_over_first == {"256": 0.95}
-    assert side_by_side({"systems": {"hf": {"decode_tok_per_s": 1.0, "samples": [1.0]}}}) == []
+    assert fp8.decode_tok_per_s == 30.0 and fp8.prefill_tok_per_s == {"256": 90.0}
+    assert fp8.prefill_over_first == {"256": 0.95}
+    assert side_by_side({"hf": [1.0]}, {}, {}) == []
 
 
 @pytest.mark.parametrize(("flags", "message"), [(["--threads", "0"], "--threads must be >= 1"),

@@ -16,7 +16,7 @@ import importlib.util
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -212,33 +212,32 @@ class SideBySideRow:
     prefill_over_first: dict[str, float]
 
 
-def side_by_side(report: dict[str, Any]) -> list[SideBySideRow]:
-    """Every engine system of a `bench decode` report over the first engine system, round by round (a ratio of
-    per-round ratios, so load that moves between rounds hits numerator and denominator alike)."""
-    engines = [name for name in report["systems"] if name.startswith("engine:")]
+def side_by_side(decode: dict[str, list[float]], roofline: dict[str, float | None],
+                 prefill: dict[str, dict[str, list[float]]]) -> list[SideBySideRow]:
+    """Every engine system over the first one, round by round (the median of per-round ratios, so load that moves
+    between rounds hits numerator and denominator alike). decode: each system's per-round decode tok/s, in the
+    bench's order; roofline: its median roofline fraction or None; prefill: its per-round prefill tok/s by prompt
+    length (absent without --prefill-tokens)."""
+    engines = [name for name in decode if name.startswith("engine:")]
     if not engines:
         return []
-    first = report["systems"][engines[0]]
-    prefill = report.get("prefill", {}).get("systems", {})
+    first = decode[engines[0]]
+    base = prefill.get(engines[0], {})
+
+    def over_first(samples: list[float], first_samples: list[float]) -> float:
+        return round(statistics.median(a / b for a, b in zip(samples, first_samples, strict=True)), 3)
+
     rows = []
     for name in engines:
-        r = report["systems"][name]
-        rounds = [a / b for a, b in zip(r["samples"], first["samples"], strict=True)]
         pre = prefill.get(name, {})
-        base = prefill.get(engines[0], {})
         rows.append(SideBySideRow(
-            system=name, decode_tok_per_s=round(r["decode_tok_per_s"], 2),
-            decode_over_first=round(statistics.median(rounds), 3), decode_round_ratios=[round(x, 3) for x in rounds],
-            roofline_fraction=r["roofline"]["median_fraction"] if "roofline" in r else None,
-            prefill_tok_per_s={n: round(v["prefill_tok_per_s"], 2) for n, v in pre.items()},
-            prefill_over_first={n: round(statistics.median(a / b for a, b in zip(v["samples"], base[n]["samples"],
-                                                                                 strict=True)), 3)
-                                for n, v in pre.items()}))
+            system=name, decode_tok_per_s=round(statistics.median(decode[name]), 2),
+            decode_over_first=over_first(decode[name], first),
+            decode_round_ratios=[round(a / b, 3) for a, b in zip(decode[name], first, strict=True)],
+            roofline_fraction=roofline.get(name), prefill_tok_per_s={n: round(statistics.median(v), 2)
+                                                                    for n, v in pre.items()},
+            prefill_over_first={n: over_first(v, base[n]) for n, v in pre.items()}))
     return rows
-
-
-def side_by_side_json(rows: list[SideBySideRow]) -> list[dict[str, Any]]:
-    return [asdict(r) for r in rows]
 
 
 def format_side_by_side(rows: list[SideBySideRow]) -> str:
