@@ -18,10 +18,11 @@ from .reference import unpack_int32
 # The prefill path of the C++ build (fused_dequant_sgemm in cpu_kernels.cpp) runs a layer in one parallel region:
 # each thread dequantizes FUSED_BLOCK_BYTES of weight rows into its own buffer and multiplies them by all of x with
 # a one-thread sgemm, so the block is read back from the core's L2 and a layer is one fork/join. On the default
-# model's 120 Linears at 256 rows (FP8, 1 thread) it runs at 1.02x fp32's x @ W^T (the whole layer dequantized
-# first and then one sgemm: 0.99x; 256 KiB blocks 0.98x, 128 KiB 0.84x); at 2 threads on the shared, loaded
-# 2-core machine it took 0.7 s where fp32's threaded sgemm took 0.9-2.3 s and dequantize-then-sgemm 1.1-2.4 s.
-FUSED_BLOCK_BYTES = 512 << 10
+# model's 120 Linears (1 thread, the shared machine loaded, fp32's x @ W^T over each): FP8 at 256 rows 1.02x
+# (dequantizing the whole layer first, then one sgemm: 0.99x; 256 KiB blocks 0.98x, 128 KiB 0.84x), INT8 at 256
+# rows 1.01-1.15x, at 1,024 rows 0.98x (whole layer 0.96x, 512 KiB blocks 0.91x, 4 MiB 0.94x); at 2 threads under
+# that load FP8 at 256 rows took 0.6-0.7 s where fp32's threaded sgemm took 0.9-2.3 s.
+FUSED_BLOCK_BYTES = 1 << 20
 # Without the C++ build (or for bf16 weights) a layer is dequantized whole into one reused fp32 buffer and
 # multiplied as x @ W^T, fp32's own sgemm call: on the default model's 3072 x 576 gate_up at 256 rows that took
 # 67 ms where dequantizing 4 MiB blocks and multiplying each as W_block @ x^T took 110 (fp32's own x @ W^T: 74). The
