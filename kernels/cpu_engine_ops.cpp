@@ -715,6 +715,106 @@ torch::Tensor fake_quant_tokens(torch::Tensor x, bool fp8) {
   return out;
 }
 
+// Per-token int8 quantization of fp32 activations for the W8A8 prefill's int8 x int8 GEMM: (q int8 [M, K],
+// scale fp32 [M, 1]) by the operations of kernels/reference.py quantize_activations("int") (scale = max|x| / 127.5,
+// at least eps; q = x / scale rounded half-even, clamped to [-128, 127]), bit for bit, in one pass per row instead
+// of ~8 torch ops (each its own pass over the activations and its own fork/join).
+std::vector<torch::Tensor> quantize_tokens_int8(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "x must be fp32 [M, K]");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), K8 = K / 8 * 8;
+  auto q = torch::empty({M, K}, xc.options().dtype(torch::kInt8));
+  auto scales = torch::empty({M, 1}, xc.options());
+  const float* in = xc.data_ptr<float>();
+  int8_t* qo = q.data_ptr<int8_t>();
+  float* so = scales.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
+    for (int64_t m = begin; m < end; ++m) {
+      const float* r = in + m * K;
+      int8_t* qr = qo + m * K;
+      __m256 vmax = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K8; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(abs_mask, _mm256_loadu_ps(r + k)));
+      float lanes[8];
+      _mm256_storeu_ps(lanes, vmax);
+      float amax = 0.f;
+      for (float l : lanes) amax = std::max(amax, l);
+      for (int64_t k = K8; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
+      const float scale = std::max(amax / 127.5f, std::numeric_limits<float>::epsilon());
+      so[m] = scale;
+      const __m256 vs = _mm256_set1_ps(scale);
+      for (int64_t k = 0; k < K8; k += 8) {
+        const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(r + k), vs),
+                                                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                                     lo), hi);
+        const __m256i i = _mm256_cvtps_epi32(v);  // whole numbers in [-128, 127]: exact
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(qr + k), _mm_packs_epi16(w, w));
+      }
+      for (int64_t k = K8; k < K; ++k) qr[k] = static_cast<int8_t>(quantize_one(r[k] / scale, false));
+    }
+  });
+  return {q, scales};
+}
+
+// The W8A8 GEMM's int32 sums back to fp32: (float(acc) * sx[m]) * sw[n], kernels/dispatch.py's
+// acc.float() * sx * sw in its order (same bits), one pass instead of three.
+torch::Tensor int8_rescale(torch::Tensor acc, torch::Tensor sx, torch::Tensor sw) {
+  TORCH_CHECK(acc.scalar_type() == torch::kInt && acc.dim() == 2 && acc.is_contiguous(), "acc must be int32 [M, N]");
+  const int64_t M = acc.size(0), N = acc.size(1), N8 = N / 8 * 8;
+  TORCH_CHECK(sx.scalar_type() == torch::kFloat && sx.is_contiguous() && sx.numel() == M, "sx must be fp32 [M, 1]");
+  TORCH_CHECK(sw.scalar_type() == torch::kFloat && sw.is_contiguous() && sw.numel() == N, "sw must be fp32 [N]");
+  auto out = torch::empty({M, N}, sx.options());
+  const int32_t* a = acc.data_ptr<int32_t>();
+  const float* xs = sx.data_ptr<float>();
+  const float* ws = sw.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(N, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const __m256 vx = _mm256_set1_ps(xs[m]);
+      int64_t n = 0;
+      for (; n < N8; n += 8) {
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + m * N + n)));
+        _mm256_storeu_ps(o + m * N + n, _mm256_mul_ps(_mm256_mul_ps(f, vx), _mm256_loadu_ps(ws + n)));
+      }
+      for (; n < N; ++n) o[m * N + n] = (static_cast<float>(a[m * N + n]) * xs[m]) * ws[n];
+    }
+  });
+  return out;
+}
+
+// The W8A8 prefill GEMM in one parallel region: each thread multiplies the int8 activations by a block of the
+// weight's rows (at::_int_mm, oneDNN's int8 GEMM, one thread inside the region) and rescales its int32 sums into
+// y's columns right away, as int8_rescale does (same bits): one fork/join per Linear instead of oneDNN's own
+// threading plus the rescale's, which on a shared machine each can wait a time slice for a descheduled thread.
+torch::Tensor int8_int8_matmul(torch::Tensor q, torch::Tensor sx, torch::Tensor w, torch::Tensor sw) {
+  TORCH_CHECK(q.scalar_type() == torch::kChar && q.dim() == 2 && q.is_contiguous(), "q must be int8 [M, K]");
+  TORCH_CHECK(w.scalar_type() == torch::kChar && w.dim() == 2 && w.is_contiguous() && w.size(1) == q.size(1),
+              "w must be contiguous int8 [N, K]");
+  const int64_t M = q.size(0), N = w.size(0);
+  TORCH_CHECK(sx.scalar_type() == torch::kFloat && sx.is_contiguous() && sx.numel() == M, "sx must be fp32 [M, 1]");
+  TORCH_CHECK(sw.scalar_type() == torch::kFloat && sw.is_contiguous() && sw.numel() == N, "sw must be fp32 [N]");
+  auto out = torch::empty({M, N}, sx.options());
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t rows = std::max<int64_t>(8, ((N + threads - 1) / threads + 7) / 8 * 8);
+  const int64_t blocks = (N + rows - 1) / rows;
+  const float* xs = sx.data_ptr<float>();
+  const float* ws = sw.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * rows, R = std::min(N, r0 + rows) - r0;
+      const auto acc = at::_int_mm(q, w.narrow(0, r0, R).t()).contiguous();
+      const int32_t* a = acc.data_ptr<int32_t>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < R; ++n)
+          o[m * N + r0 + n] = (static_cast<float>(a[m * R + n]) * xs[m]) * ws[r0 + n];
+    }
+  });
+  return out;
+}
+
 namespace {
 
 // One head of K or V into the quantized cache: scale = max|x| / qmax (or the calibrated `fixed` scale when > 0),
@@ -818,6 +918,9 @@ torch::Tensor rope_and_cache_quant(torch::Tensor qkv, torch::Tensor cos, torch::
 #ifndef QTOOLKIT_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fake_quant_tokens", &fake_quant_tokens, "per-token int8/FP8 quantize-dequantize of fp32 activations");
+  m.def("quantize_tokens_int8", &quantize_tokens_int8, "per-token int8 quantization of fp32 activations (q, scale)");
+  m.def("int8_int8_matmul", &int8_int8_matmul, "(q @ w^T) * sx * sw: int8 x int8 GEMM by blocks of w's rows");
+  m.def("int8_rescale", &int8_rescale, "int32 GEMM sums * token scale * channel scale -> fp32");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate|up projection");
   m.def("rope_and_cache", &rope_and_cache, "RoPE on q and k, k and v written into the paged cache");
   m.def("paged_attention", &paged_attention, "decode/verify attention over the paged KV cache", py::arg("q"),

@@ -279,6 +279,39 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   return y;
 }
 
+namespace {
+
+// Rows [r0, r1) of an INT4 weight as fp32 into o (row r0 first, K floats a row): the prefill dequantization.
+inline void int4_dequant_rows(const uint8_t* w, const float* s, const int8_t* z, int64_t K, int64_t group,
+                            int64_t r0, int64_t r1, float* o) {
+  const int64_t G = K / group;
+  for (int64_t n = r0; n < r1; ++n) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float sc = s[n * G + g];
+      const float off = 8.f + (z ? z[n * G + g] : 0);
+      const uint8_t* wb = w + n * (K / 2) + g * group / 2;
+      float* ob = o + (n - r0) * K + g * group;
+      // 16 bytes (32 weights) at a time: nibbles split, interleaved back into element order, then the scalar
+      // loop's (nibble - offset) * scale in 8 lanes (same bits); a scalar loop here cost a quarter of an
+      // INT4 prefill's sgemm time on the default model's layers
+      const __m256 vs = _mm256_set1_ps(sc), voff = _mm256_set1_ps(off);
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      for (int64_t b = 0; b < group / 2; b += 16) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + b));
+        const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+        const __m128i e[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
+        for (int h = 0; h < 2; ++h)
+          for (int q = 0; q < 2; ++q) {
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q ? _mm_srli_si128(e[h], 8) : e[h]));
+            _mm256_storeu_ps(ob + 2 * b + 16 * h + 8 * q, _mm256_mul_ps(_mm256_sub_ps(f, voff), vs));
+          }
+      }
+    }
+  }
+}
+
+}  // namespace
+
 // fp32 [N, K] weight from the packed layout (prefill path: dequantize a block, then sgemm). `out`, when given,
 // is a reused scratch buffer: a fresh multi-MB allocation per block costs its page faults on every call.
 torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros, int64_t group,
@@ -290,31 +323,8 @@ torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scales, torch:
   const float* s = scales.data_ptr<float>();
   const int8_t* z = (zeros.defined() && zeros.numel()) ? zeros.data_ptr<int8_t>() : nullptr;
   float* o = out.data_ptr<float>();
-  const int64_t G = K / group;
   at::parallel_for(0, N, rows_per_task(N, K), [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t g = 0; g < G; ++g) {
-        const float sc = s[n * G + g];
-        const float off = 8.f + (z ? z[n * G + g] : 0);
-        const uint8_t* wb = w + n * (K / 2) + g * group / 2;
-        float* ob = o + n * K + g * group;
-        // 16 bytes (32 weights) at a time: nibbles split, interleaved back into element order, then the scalar
-        // loop's (nibble - offset) * scale in 8 lanes (same bits); a scalar loop here cost a quarter of an
-        // INT4 prefill's sgemm time on the default model's layers
-        const __m256 vs = _mm256_set1_ps(sc), voff = _mm256_set1_ps(off);
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        for (int64_t b = 0; b < group / 2; b += 16) {
-          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + b));
-          const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-          const __m128i e[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
-          for (int h = 0; h < 2; ++h)
-            for (int q = 0; q < 2; ++q) {
-              const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q ? _mm_srli_si128(e[h], 8) : e[h]));
-              _mm256_storeu_ps(ob + 2 * b + 16 * h + 8 * q, _mm256_mul_ps(_mm256_sub_ps(f, voff), vs));
-            }
-        }
-      }
-    }
+    int4_dequant_rows(w, s, z, K, group, begin, end, o + begin * K);
   });
   return out;
 }
@@ -346,6 +356,41 @@ inline void fp8_row(const uint8_t* w, float scale, const float* x, int64_t K, fl
     }
   }
   for (int i = 0; i < MB; ++i) out[i * out_stride] = hsum(acc[i]) * scale * 256.f;
+}
+
+// Rows [r0, r1) of an int8 weight as fp32 into o (row r0 first): (q - z) * s, the operations of kernels/cpu.py
+// dequantize_int8 in its order (same bits).
+inline void int8_dequant_rows(const int8_t* w, const float* s, const int8_t* z, int64_t K, int64_t group,
+                              int64_t r0, int64_t r1, float* o) {
+  const int64_t G = K / group;
+  for (int64_t n = r0; n < r1; ++n)
+    for (int64_t g = 0; g < G; ++g) {
+      const float sc = s[n * G + g], zp = z ? static_cast<float>(z[n * G + g]) : 0.f;
+      const __m256 vs = _mm256_set1_ps(sc), vz = _mm256_set1_ps(zp);
+      const int8_t* wb = w + n * K + g * group;
+      float* ob = o + (n - r0) * K + g * group;
+      int64_t k = 0;
+      for (; k + 8 <= group; k += 8) {
+        __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + k))));
+        if (z) f = _mm256_sub_ps(f, vz);
+        _mm256_storeu_ps(ob + k, _mm256_mul_ps(f, vs));
+      }
+      for (; k < group; ++k) ob[k] = (z ? static_cast<float>(wb[k]) - zp : static_cast<float>(wb[k])) * sc;
+    }
+}
+
+// Rows [r0, r1) of an FP8 E4M3 weight (K % 16 == 0) with per-row scales as fp32 into o (row r0 first).
+inline void fp8_dequant_rows(const uint8_t* wp, const float* sp, int64_t K, int64_t r0, int64_t r1, float* o) {
+  for (int64_t n = r0; n < r1; ++n) {
+    const __m256 s = _mm256_set1_ps(sp[n] * 256.f);
+    float* on = o + (n - r0) * K;
+    for (int64_t k = 0; k < K; k += 16) {
+      __m256 a, b;
+      fp8x16_to_f32(wp + n * K + k, a, b);
+      _mm256_storeu_ps(on + k, _mm256_mul_ps(a, s));
+      _mm256_storeu_ps(on + k + 8, _mm256_mul_ps(b, s));
+    }
+  }
 }
 
 }  // namespace
@@ -395,20 +440,7 @@ torch::Tensor int8_dequantize(torch::Tensor q, torch::Tensor scales, torch::Tens
   const int8_t* z = asym ? zeros.data_ptr<int8_t>() : nullptr;
   float* o = out.data_ptr<float>();
   at::parallel_for(0, N, rows_per_task(N, K), [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t g = 0; g < G; ++g) {
-        const float sc = s[n * G + g], zp = z ? static_cast<float>(z[n * G + g]) : 0.f;
-        const __m256 vs = _mm256_set1_ps(sc), vz = _mm256_set1_ps(zp);
-        const int8_t* wb = w + n * K + g * group;
-        float* ob = o + n * K + g * group;
-        int64_t k = 0;
-        for (; k + 8 <= group; k += 8) {
-          __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + k))));
-          if (z) f = _mm256_sub_ps(f, vz);
-          _mm256_storeu_ps(ob + k, _mm256_mul_ps(f, vs));
-        }
-        for (; k < group; ++k) ob[k] = (z ? static_cast<float>(wb[k]) - zp : static_cast<float>(wb[k])) * sc;
-      }
+    int8_dequant_rows(w, s, z, K, group, begin, end, o + begin * K);
   });
   return out;
 }
@@ -422,18 +454,114 @@ torch::Tensor fp8_dequantize(torch::Tensor w, torch::Tensor scales, c10::optiona
   const float* sp = scales.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, N, rows_per_task(N, K), [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const __m256 s = _mm256_set1_ps(sp[n] * 256.f);
-      for (int64_t k = 0; k < K; k += 16) {
-        __m256 a, b;
-        fp8x16_to_f32(wp + n * K + k, a, b);
-        _mm256_storeu_ps(o + n * K + k, _mm256_mul_ps(a, s));
-        _mm256_storeu_ps(o + n * K + k + 8, _mm256_mul_ps(b, s));
-      }
-    }
+    fp8_dequant_rows(wp, sp, K, begin, end, o + begin * K);
   });
   return out;
 }
+
+// BLAS sgemm (Fortran interface, 32-bit ints) from the MKL that libtorch_cpu links in and exports; weak, so a
+// torch build without it still loads this extension and fused_dequant_sgemm multiplies through at::mm instead.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc) __attribute__((weak));
+
+namespace {
+
+// y = x @ W^T for a weight stored quantized, in one parallel region: each thread dequantizes a block of W's rows
+// into its own buffer and multiplies it by all of x right away (sgemm on the calling thread: MKL runs one thread
+// inside a parallel region), writing y's columns in place. Against dequantizing the whole layer and then running
+// one sgemm, the block is read back from the core's own cache instead of L3/DRAM, and a layer is one fork/join
+// instead of two: on a shared machine every extra fork/join can wait a time slice for a descheduled thread.
+// deq(r0, r1, out) writes rows [r0, r1) as fp32, K floats a row. block_bytes: a block's fp32 size at most.
+template <class Deq>
+torch::Tensor fused_dequant_sgemm(const torch::Tensor& x, int64_t N, int64_t block_bytes, Deq&& deq) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous fp32 2-D");
+  TORCH_CHECK(block_bytes > 0, "block_bytes must be positive");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M < (int64_t{1} << 31) && N < (int64_t{1} << 31) && K < (int64_t{1} << 31), "too large for sgemm");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  // blocks split evenly over the threads (each thread takes the same number of equal blocks), 8-row multiples
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (N + 7) / 8));
+  const int64_t max_rows = std::max<int64_t>(8, block_bytes / (4 * K));
+  const int64_t per_thread = (N + threads - 1) / threads;
+  const int64_t per_thread_blocks = (per_thread + max_rows - 1) / max_rows;
+  const int64_t rows = ((per_thread + per_thread_blocks - 1) / per_thread_blocks + 7) / 8 * 8;
+  const int64_t blocks = (N + rows - 1) / rows;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    // per thread and reused: a fresh buffer above malloc's mmap threshold pays its page faults on every call
+    static thread_local std::vector<float> buf;
+    if (buf.size() < static_cast<size_t>(rows * K)) buf.resize(rows * K);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * rows, r1 = std::min(N, r0 + rows);
+      deq(r0, r1, buf.data());
+      const int m = static_cast<int>(r1 - r0), n = static_cast<int>(M), k = static_cast<int>(K),
+                ldc = static_cast<int>(N);
+      const float one = 1.f, zero = 0.f;
+      if (sgemm_ != nullptr) {
+        // column-major view: y^T[r0:r1, :] (ld N) = W_block^T (K x R, transposed) x x^T (K x M)
+        sgemm_("T", "N", &m, &n, &k, &one, buf.data(), &k, xp, &k, &zero, yp + r0, &ldc);
+      } else {
+        const auto wb = torch::from_blob(buf.data(), {r1 - r0, K}, torch::kFloat32);
+        y.narrow(1, r0, r1 - r0).copy_(at::mm(x, wb.t()));
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+// x @ dequant(W)^T for the prefill path, one kernel per storage kind (fused_dequant_sgemm above); the weight's
+// fp32 values are the *_dequantize ops' bits.
+torch::Tensor int4_dequant_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros,
+                                  int64_t group, int64_t block_bytes) {
+  const int64_t N = packed.size(0), K = packed.size(1) * 8;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, K] with the weight's K");
+  check_int4_args(packed, scales, zeros, K, group);
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(packed.data_ptr<int32_t>());
+  const float* s = scales.data_ptr<float>();
+  const int8_t* z = (zeros.defined() && zeros.numel()) ? zeros.data_ptr<int8_t>() : nullptr;
+  return fused_dequant_sgemm(x, N, block_bytes, [&](int64_t r0, int64_t r1, float* o) {
+    int4_dequant_rows(w, s, z, K, group, r0, r1, o);
+  });
+}
+
+torch::Tensor int8_dequant_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor scales, torch::Tensor zeros,
+                                  int64_t group, int64_t block_bytes) {
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "w must be contiguous int8 2-D");
+  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, K] with the weight's K");
+  TORCH_CHECK(group > 0 && K % group == 0, "group must divide K");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N * (K / group),
+              "scales must be contiguous fp32 [N, K/group]");
+  const bool asym = zeros.defined() && zeros.numel();
+  TORCH_CHECK(!asym || (zeros.dtype() == torch::kInt8 && zeros.is_contiguous() && zeros.numel() == scales.numel()),
+              "zeros must be int8 shaped like scales");
+  const int8_t* w = q.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  const int8_t* z = asym ? zeros.data_ptr<int8_t>() : nullptr;
+  return fused_dequant_sgemm(x, N, block_bytes, [&](int64_t r0, int64_t r1, float* o) {
+    int8_dequant_rows(w, s, z, K, group, r0, r1, o);
+  });
+}
+
+torch::Tensor fp8_dequant_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales, int64_t block_bytes) {
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && w.size(1) % 16 == 0,
+              "w must be the contiguous uint8 view of an fp8 weight with K % 16 == 0");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, K] with the weight's K");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N,
+              "scales must be contiguous fp32 [N]");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  return fused_dequant_sgemm(x, N, block_bytes, [&](int64_t r0, int64_t r1, float* o) {
+    fp8_dequant_rows(wp, sp, K, r0, r1, o);
+  });
+}
+
 
 
 namespace {
@@ -1103,5 +1231,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("scales"), py::arg("zeros"), py::arg("group"), py::arg("out") = py::none());
   m.def("fp8_dequantize", &fp8_dequantize, "FP8 E4M3 weight -> fp32", py::arg("w"), py::arg("scales"),
         py::arg("out") = py::none());
+  m.def("int4_dequant_matmul", &int4_dequant_matmul, "x @ dequant(packed INT4)^T, blocks dequantized in cache",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("group"),
+        py::arg("block_bytes"));
+  m.def("int8_dequant_matmul", &int8_dequant_matmul, "x @ dequant(int8)^T, blocks dequantized in cache",
+        py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("zeros"), py::arg("group"), py::arg("block_bytes"));
+  m.def("fp8_dequant_matmul", &fp8_dequant_matmul, "x @ dequant(FP8 E4M3)^T, blocks dequantized in cache",
+        py::arg("x"), py::arg("w"), py::arg("scales"), py::arg("block_bytes"));
 }
 #endif

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from qtoolkit.bench.decode import PROMPT, decode_rate, run_decode_bench, run_prefill_bench
+from qtoolkit.bench.decode import PROMPT, decode_rate, run_decode_bench, run_prefill_bench, side_by_side
 from qtoolkit.cli import main
 from qtoolkit.peers.child import PeerError
 from qtoolkit.peers.llama_cpp import LlamaCppPeer
@@ -209,7 +209,12 @@ def test_cli_times_prefill_at_each_length(tiny_model_dir, tmp_path, capsys):
     for per in prefill["systems"].values():
         assert all(len(per[n]["samples"]) == 2 and per[n]["prefill_tok_per_s"] > 0 for n in ("16", "64"))
     assert set(prefill["ratios"]) == {f"{name}:kv-fp8_over_{name}"}
-    assert "prefill tok/s" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["side_by_side"]
+    assert [r["system"] for r in rows] == [name, f"{name}:kv-fp8"]
+    assert rows[0]["decode_over_first"] == 1.0 and rows[0]["prefill_over_first"] == {"16": 1.0, "64": 1.0}
+    assert rows[1]["roofline_fraction"] is None and set(rows[1]["prefill_tok_per_s"]) == {"16", "64"}
+    printed = capsys.readouterr().out
+    assert "prefill tok/s" in printed and "prefill@16" in printed
 
 
 @pytest.mark.parametrize(("value", "message"), [("256,x", "--prefill-tokens takes positive token counts"),
@@ -220,3 +225,28 @@ def test_cli_refuses_prefill_lengths_it_cannot_run(tiny_model_dir, tmp_path, cap
     assert main(["bench", "decode", "--model", str(tiny_model_dir), "--prefill-tokens", value,
                  "--output", str(out)]) == 2
     assert message in capsys.readouterr().err and not out.exists()
+
+
+def test_side_by_side_divides_round_by_round_by_the_first_engine():
+    """Each engine checkpoint over the first --model: medians of per-round ratios for decode and for prefill at each
+    length, the roofline fraction where the breakdown ran; peers (llama.cpp, hf) are left out."""
+    decode = {"llama.cpp": [50.0, 50.0, 50.0], "engine:fp32": [10.0, 20.0, 10.0], "engine:fp8": [25.0, 40.0, 30.0]}
+    roofline = {"engine:fp32": 0.9, "engine:fp8": 0.5}
+    prefill = {"engine:fp32": {"256": [100.0, 50.0, 100.0]}, "engine:fp8": {"256": [95.0, 60.0, 90.0]}}
+    first, fp8 = side_by_side(decode, roofline, prefill)
+    assert first.system == "engine:fp32" and first.decode_over_first == 1.0 and first.roofline_fraction == 0.9
+    assert fp8.decode_round_ratios == [2.5, 2.0, 3.0] and fp8.decode_over_first == 2.5
+    assert fp8.decode_tok_per_s == 30.0 and fp8.prefill_tok_per_s == {"256": 90.0}
+    assert fp8.prefill_over_first == {"256": 0.95}
+    assert side_by_side({"hf": [1.0]}, {}, {}) == []
+
+
+@pytest.mark.parametrize(("flags", "message"), [(["--threads", "0"], "--threads must be >= 1"),
+                                               (["--rounds", "0"], "--rounds >= 1"),
+                                               (["--tokens", "1"], "--tokens must be >= 2")])
+def test_cli_refuses_hostile_counts_before_loading_anything(tmp_path, capsys, flags, message):
+    out = tmp_path / "x.json"
+    assert main(["bench", "decode", *flags, "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()

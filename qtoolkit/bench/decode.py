@@ -16,6 +16,7 @@ import importlib.util
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -193,4 +194,62 @@ def format_table(report: dict[str, Any]) -> str:
     for name, r in report["systems"].items():
         lines.append(f"{name:<28} {r['decode_tok_per_s']:>12.1f}  " + ", ".join(f"{s:.1f}" for s in r["samples"]))
     lines += [f"{k} = {v:.2f}x" for k, v in report["ratios"].items()]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class SideBySideRow:
+    """One engine checkpoint against the first --model (fp32 when that is `default`), every figure from the same
+    interleaved rounds: decode tok/s and its median per-round ratio, the DRAM roofline fraction (None without the
+    breakdown), prefill tok/s and its median per-round ratio at each prompt length (empty without prefill)."""
+
+    system: str
+    decode_tok_per_s: float
+    decode_over_first: float
+    decode_round_ratios: list[float]
+    roofline_fraction: float | None
+    prefill_tok_per_s: dict[str, float]
+    prefill_over_first: dict[str, float]
+
+
+def side_by_side(decode: dict[str, list[float]], roofline: dict[str, float | None],
+                 prefill: dict[str, dict[str, list[float]]]) -> list[SideBySideRow]:
+    """Every engine system over the first one, round by round (the median of per-round ratios, so load that moves
+    between rounds hits numerator and denominator alike). decode: each system's per-round decode tok/s, in the
+    bench's order; roofline: its median roofline fraction or None; prefill: its per-round prefill tok/s by prompt
+    length (absent without --prefill-tokens)."""
+    engines = [name for name in decode if name.startswith("engine:")]
+    if not engines:
+        return []
+    first = decode[engines[0]]
+    base = prefill.get(engines[0], {})
+
+    def over_first(samples: list[float], first_samples: list[float]) -> float:
+        return round(statistics.median(a / b for a, b in zip(samples, first_samples, strict=True)), 3)
+
+    rows = []
+    for name in engines:
+        pre = prefill.get(name, {})
+        rows.append(SideBySideRow(
+            system=name, decode_tok_per_s=round(statistics.median(decode[name]), 2),
+            decode_over_first=over_first(decode[name], first),
+            decode_round_ratios=[round(a / b, 3) for a, b in zip(decode[name], first, strict=True)],
+            roofline_fraction=roofline.get(name), prefill_tok_per_s={n: round(statistics.median(v), 2)
+                                                                    for n, v in pre.items()},
+            prefill_over_first={n: over_first(v, base[n]) for n, v in pre.items()}))
+    return rows
+
+
+def format_side_by_side(rows: list[SideBySideRow]) -> str:
+    if not rows:
+        return ""
+    lengths = list(rows[0].prefill_tok_per_s)
+    head = f"{'system':<32} {'decode tok/s':>12} {'over first':>10} {'roofline':>8}"
+    head += "".join(f" {'prefill@' + n:>13} {'over first':>10}" for n in lengths)
+    lines = [head]
+    for r in rows:
+        roof = "-" if r.roofline_fraction is None else f"{100 * r.roofline_fraction:.0f}%"
+        line = f"{r.system:<32} {r.decode_tok_per_s:>12.1f} {r.decode_over_first:>9.2f}x {roof:>8}"
+        line += "".join(f" {r.prefill_tok_per_s[n]:>13.1f} {r.prefill_over_first[n]:>9.2f}x" for n in lengths)
+        lines.append(line)
     return "\n".join(lines)

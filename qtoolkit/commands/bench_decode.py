@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 from pathlib import Path
 
 from ..engine.config import KV_CACHE_DTYPES
@@ -11,7 +12,8 @@ from ..io import write_json
 from ..progress import bar, status
 
 HELP = ("batch-1 greedy decode tok/s of one or more checkpoints in the engine against llama.cpp (the default "
-        "model's GGUF) and HF generate, interleaved rounds, ratios in the JSON")
+        "model's GGUF) and HF generate, interleaved rounds, ratios in the JSON; with several --model, a side-by-side "
+        "table (decode, roofline, --prefill-tokens prefill, each over the first --model)")
 
 
 EXAMPLES = """\
@@ -54,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.decode import (
         context_prompt,
         engine_decoder,
+        format_side_by_side,
         format_table,
         hf_decoder,
         llama_cpp_decoder,
@@ -64,18 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from ..model.sources import default_gguf_path, resolve_model
     from ..provenance import provenance
 
-    peers = [c.strip() for c in args.compare.split(",") if c.strip()]
-    bad = [c for c in peers if c not in ("llama.cpp", "hf")]
-    if bad:
-        raise QToolError(f"--compare takes llama.cpp and/or hf, got {', '.join(bad)}")
-    if args.tokens < 2 or args.rounds < 1:
-        raise QToolError("--tokens must be >= 2 and --rounds >= 1")
-    caches = list(dict.fromkeys(c.strip() for c in args.kv_cache_dtype.split(",") if c.strip()))
-    if not caches or any(c not in KV_CACHE_DTYPES for c in caches):
-        raise QToolError(f"--kv-cache-dtype takes {', '.join(KV_CACHE_DTYPES)} (comma-separated), got "
-                         f"{args.kv_cache_dtype!r}")
-    if args.context_tokens < 0:
-        raise QToolError(f"--context-tokens must be >= 0, got {args.context_tokens}")
+    peers, caches = _checked_args(args)
     prefill_tokens = _prefill_lengths(args.prefill_tokens)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -111,8 +103,10 @@ def run(args: argparse.Namespace) -> int:
         report = _with_breakdowns(report, systems, args.tokens)
     if prefill_prompts:
         report["prefill"] = _prefill_report(systems, prefill_prompts)
+    rows = _side_by_side(report)
     report = {**provenance(command="bench decode", models=models, compare=peers, threads=threads,
-                           kv_cache_dtypes=caches, context_tokens=args.context_tokens), **report}
+                           kv_cache_dtypes=caches, context_tokens=args.context_tokens), **report,
+              "side_by_side": [asdict(r) for r in rows]}
     print(format_table(report))
     for name, r in report["systems"].items():
         if "breakdown" in r:
@@ -122,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         from ..bench.decode import format_prefill_table
 
         print(format_prefill_table(report["prefill"]))
+    if len(rows) > 1:
+        print(format_side_by_side(rows))
     path = write_json(args.output, report)
     status(f"wrote {path}")
     return 0
@@ -180,3 +176,33 @@ def _prefill_report(systems: dict, prompts: dict[int, list[str]]) -> dict:
     status("timing prefill")
     with bar(total=rounds * len(prompts) * len(engines), desc="prefill rounds", unit="run") as progress:
         return run_prefill_bench(engines, prompts, baseline=baseline, progress=progress)
+
+
+def _checked_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The peers and KV caches asked for, or a one-line error for any flag out of range (before anything loads)."""
+    peers = [c.strip() for c in args.compare.split(",") if c.strip()]
+    bad = [c for c in peers if c not in ("llama.cpp", "hf")]
+    if bad:
+        raise QToolError(f"--compare takes llama.cpp and/or hf, got {', '.join(bad)}")
+    if args.tokens < 2 or args.rounds < 1:
+        raise QToolError("--tokens must be >= 2 and --rounds >= 1")
+    caches = list(dict.fromkeys(c.strip() for c in args.kv_cache_dtype.split(",") if c.strip()))
+    if not caches or any(c not in KV_CACHE_DTYPES for c in caches):
+        raise QToolError(f"--kv-cache-dtype takes {', '.join(KV_CACHE_DTYPES)} (comma-separated), got "
+                         f"{args.kv_cache_dtype!r}")
+    if args.threads is not None and args.threads < 1:
+        raise QToolError(f"--threads must be >= 1, got {args.threads}")
+    if args.context_tokens < 0:
+        raise QToolError(f"--context-tokens must be >= 0, got {args.context_tokens}")
+    return peers, caches
+
+
+def _side_by_side(report: dict):
+    """The side-by-side rows (qtoolkit/bench/decode.py side_by_side) from this command's own report."""
+    from ..bench.decode import side_by_side
+
+    systems = report["systems"]
+    prefill = report.get("prefill", {}).get("systems", {})
+    return side_by_side({name: r["samples"] for name, r in systems.items()},
+                        {name: r["roofline"]["median_fraction"] for name, r in systems.items() if "roofline" in r},
+                        {name: {n: v["samples"] for n, v in per.items()} for name, per in prefill.items()})
