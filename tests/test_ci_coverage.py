@@ -22,7 +22,8 @@ GATED = ("kld", "nll", "bounded", "binary", "rounds")  # kld_mean, nll_delta, ro
 # the table's shape of the figure each interval-judged gate of the default policy reads (memory gates read the
 # checkpoint's measured bytes: a point, no sample)
 GATE_SHAPES = {"kld_mean": "kld", "nll_delta": "nll", "rougeL_drop": "bounded", "pass_at_1_drop": "binary",
-               "min_speedup": "rounds", "min_decode_speedup": "rounds", "prefill_margin": "rounds"}
+               "min_speedup": "rounds", "min_decode_speedup": "rounds", "prefill_margin": "rounds",
+               "capacity": "rounds"}  # the capacity gate: Student t on log ratios over its paired searches
 # (shape, n) where the table's method misses 93% (measurements/2026-12-04/issue39/ci-coverage.json): with the
 # ROUGE-L drop on its bound the deltas skew and no interval holds 93% at 8 or 16 items (Student t 0.907 / 0.930),
 # so the ROUGE-L gate decides from 32 items. Paired pass/fail: Tango's score interval holds at every size (Newcombe's,
