@@ -127,7 +127,7 @@ def test_inconclusive_gate_draws_more_items_up_to_the_budget():
     calls: list[tuple[int, bool]] = []
     drawn = {"n": 0}
 
-    def run(items: int, overwrite: bool, tasks: list[str] | None) -> None:
+    def run(items: int, overwrite: bool, tasks: list[str] | None, level: object) -> None:
         calls.append((items, overwrite, tasks))
         drawn["n"] = items
 
