@@ -19,7 +19,7 @@ from qtoolkit.evals.stats.at_bound_table import ONE_LOOK, SEVERAL_LOOKS, SIDE_SH
 from qtoolkit.evals.stats.paired import N_RESAMPLES, Level, binary_delta_ci, side_errors
 from qtoolkit.evals.summary import figure_from_json
 
-from qtoolkit.signoff.gates import FAIL, INCONCLUSIVE, PASS, judge_interval, judge_quality
+from qtoolkit.signoff.verdicts import FAIL, INCONCLUSIVE, PASS, judge_interval, judge_quality
 
 RUNS = 2000
 RESAMPLES = N_RESAMPLES  # the sign-off's own: the far tails the PASS end reads depend on it

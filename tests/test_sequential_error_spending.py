@@ -10,11 +10,11 @@ from qtoolkit.evals.summary import figure_from_json
 
 from qtoolkit.commands.signoff import DEFAULT_MAX_ITEMS
 from qtoolkit.signoff.error_spending import ALPHA, SPEND, plan, pocock_spent
-from qtoolkit.signoff.gates import INCONCLUSIVE, PASS, error_statement, judge_quality, reading
 from qtoolkit.signoff.judge import Gate
 from qtoolkit.signoff.report import look_level, markdown
 from qtoolkit.signoff.sequential import describe, design_of, draw_until_decisive, stages
 from qtoolkit.signoff.verdict import SignoffReport
+from qtoolkit.signoff.verdicts import INCONCLUSIVE, PASS, error_statement, judge_quality, reading
 
 
 @pytest.mark.parametrize("looks", [[8, 16, 32, 64], [8, 16, 32, 40], [2, 4], [8, 64], [1, 2, 4, 8, 16, 32, 64]])

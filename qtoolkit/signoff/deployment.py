@@ -27,7 +27,7 @@ from ..model.sources import resolve_model
 from ..progress import status
 from ..provenance import provenance
 from ..quantize.report import QuantizeReport
-from . import gates as verdicts
+from . import verdicts
 from . import workload as custom_signoff
 from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..evals.results import EvalResults
 from ..evals.resummarize import resummarize
-from . import gates as verdicts
+from . import verdicts
 from .error_spending import ALPHA, plan
 from .judge import Gate
 from .sequential import stages

@@ -28,7 +28,7 @@ from typing import Any
 from ..bench.ablation import AblationBench
 from ..bench.loop import TierRecord
 from ..evals.stats.paired import ratio_over_rounds
-from . import gates as verdicts
+from . import verdicts
 from .error_spending import ALPHA, Design, plan
 from .policy import Policy
 

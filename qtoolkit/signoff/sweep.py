@@ -31,7 +31,7 @@ from ..model.sources import ModelSource, resolve_model
 from ..progress import status
 from ..quantize.plausibility import check_source
 from ..quantize.recipe import Recipe, load_recipe
-from . import gates as verdicts
+from . import verdicts
 from . import workload as custom_signoff
 from .deployment import judge_deployment, signoff_deployments
 from .family import FamilyJudgement, Rejudge, fallback, judge_at, look_levels
