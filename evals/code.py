@@ -12,7 +12,7 @@ from typing import Any
 from .backends.base import Backend, GenParams
 from .data import humaneval_problems
 from .sandbox.run import Isolation, Limits, require, run_program
-from .stats.paired import paired_delta, pass_at_k, token_stats
+from .stats.paired import NOMINAL, Level, paired_delta, pass_at_k, token_stats
 from .task import compare_scored, join_tokens, scored_records
 
 # Completion ends where a new top-level statement starts (the stop set of the Codex paper).
@@ -93,18 +93,18 @@ class CodeTask:
             })
         return records
 
-    def summarize(self, records: list[dict[str, Any]], *, seed: int) -> dict[str, Any]:
+    def summarize(self, records: list[dict[str, Any]], *, seed: int, level: Level = NOMINAL) -> dict[str, Any]:
         token_records, unsupported = scored_records(records)
         scored = [r for r in records if r["nll_solution_candidate"] is not None]
         out: dict[str, Any] = {
             "pass@1": paired_delta([r["candidate"]["passed"] for r in records],
-                                   [r["baseline"]["passed"] for r in records], seed=seed),
+                                   [r["baseline"]["passed"] for r in records], seed=seed, level=level),
             "nll_canonical_solution": paired_delta(
                 [r["nll_solution_candidate"] for r in scored], [r["nll_solution_baseline"] for r in scored],
-                [r["solution_tokens"] for r in scored], seed=seed + 10),
+                [r["solution_tokens"] for r in scored], seed=seed + 10, level=level),
             "greedy_agreement": {"rate": sum(r["agree_exact"] for r in records) / max(len(records), 1),
                                  "items": len(records)},
-            "text_stats": token_stats(token_records, seed=seed + 20),
+            "text_stats": token_stats(token_records, seed=seed + 20, level=level),
             "not_computed": [f"nll_canonical_solution, text_stats: {why}" for why in unsupported],
             "isolation": self.isolation.describe(),
         }
@@ -113,5 +113,5 @@ class CodeTask:
                 def est(side: str, k: int = k) -> list[float]:
                     return [pass_at_k(len(r[side]["sample_passed"]), sum(r[side]["sample_passed"]), k)
                             for r in records]
-                out[f"sampled_pass@{k}"] = paired_delta(est("candidate"), est("baseline"), seed=seed + 30 + k)
+                out[f"sampled_pass@{k}"] = paired_delta(est("candidate"), est("baseline"), seed=seed + 30 + k, level=level)
         return out

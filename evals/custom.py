@@ -34,6 +34,7 @@ from .backends.base import Backend, GenParams
 from .code import run_checked
 from .custom_summary import summarize_custom
 from .sandbox.run import Limits, require
+from .stats.paired import NOMINAL, Level
 from .task import TaskError, compare_scored
 from .workload_file import WorkloadItem, any_tests, file_sha256, render_prompt, sample_items, task_name
 
@@ -135,8 +136,8 @@ class CustomTask:
             })
         return records
 
-    def summarize(self, records: list[dict[str, Any]], *, seed: int) -> dict[str, Any]:
-        return summarize_custom(records, seed=seed)
+    def summarize(self, records: list[dict[str, Any]], *, seed: int, level: Level = NOMINAL) -> dict[str, Any]:
+        return summarize_custom(records, seed=seed, level=level)
 
 
 def make_custom_task(name: str, custom_data: dict[str, str] | None = None, **options: Any) -> CustomTask:

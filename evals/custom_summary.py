@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .stats.paired import bootstrap_ci, paired_delta, token_stats
+from .stats.paired import NOMINAL, Level, bootstrap_ci, paired_delta, token_stats
 from .task import scored_records
 
 WORST_ITEMS = 10
@@ -49,7 +49,7 @@ def worst_items(records: list[dict[str, Any]], n: int = WORST_ITEMS) -> list[dic
     return sorted(changed, key=key, reverse=True)[:n]
 
 
-def summarize_custom(records: list[dict[str, Any]], *, seed: int) -> dict[str, Any]:
+def summarize_custom(records: list[dict[str, Any]], *, seed: int, level: Level = NOMINAL) -> dict[str, Any]:
     token_records, unsupported = scored_records(records)
     scored = [r for r in records if r["nll_answer_candidate"] is not None]
     agree = [float(r["agree_exact"]) for r in records]
@@ -59,21 +59,21 @@ def summarize_custom(records: list[dict[str, Any]], *, seed: int) -> dict[str, A
         "items_with_tests": sum(r["has_tests"] for r in records),
         "nll_answer": paired_delta([r["nll_answer_candidate"] for r in scored],
                                    [r["nll_answer_baseline"] for r in scored],
-                                   [r["answer_tokens"] for r in scored], seed=seed + 10),
-        "greedy_agreement": {"rate": sum(agree) / max(len(agree), 1), "ci95": bootstrap_ci(agree, seed=seed + 1),
+                                   [r["answer_tokens"] for r in scored], seed=seed + 10, level=level),
+        "greedy_agreement": {"rate": sum(agree) / max(len(agree), 1), "ci95": bootstrap_ci(agree, seed=seed + 1, level=level),
                              "items": len(agree)},
         "answer_tokens": paired_delta([r["candidate"]["tokens"] for r in records],
-                                      [r["baseline"]["tokens"] for r in records], seed=seed + 2),
-        "text_stats": token_stats(token_records, seed=seed + 20),
+                                      [r["baseline"]["tokens"] for r in records], seed=seed + 2, level=level),
+        "text_stats": token_stats(token_records, seed=seed + 20, level=level),
         "not_computed": [f"nll_answer, text_stats: {why}" for why in unsupported],
     }
     with_ref = [r for r in records if r["has_reference"]]
     if with_ref:
         out["rougeL"] = paired_delta([r["candidate"]["rougeL"] for r in with_ref],
-                                     [r["baseline"]["rougeL"] for r in with_ref], seed=seed + 3)
+                                     [r["baseline"]["rougeL"] for r in with_ref], seed=seed + 3, level=level)
     with_tests = [r for r in records if r["has_tests"]]
     if with_tests:
         out["pass@1"] = paired_delta([float(r["candidate"]["passed"]) for r in with_tests],
-                                     [float(r["baseline"]["passed"]) for r in with_tests], seed=seed + 4)
+                                     [float(r["baseline"]["passed"]) for r in with_tests], seed=seed + 4, level=level)
     out["worst_items"] = worst_items(records)
     return out

@@ -13,7 +13,7 @@ from typing import Any
 from .backends.base import Backend
 from .data import ASPECTS, aclsum_items, humaneval_problems
 from .stats.kld import llama_cpp_stats
-from .stats.paired import paired_delta, token_stats
+from .stats.paired import NOMINAL, Level, paired_delta, token_stats
 from .task import compare_scored, scored_records
 
 TEXT_SETS = ("code", "summarization")
@@ -51,7 +51,7 @@ class PerplexityTask:
         records = compare_scored(candidate, baseline, seqs, [0] * len(seqs))
         return [{"id": it["id"], "text_set": it["text_set"], "token_record": r} for it, r in zip(items, records, strict=True)]
 
-    def summarize(self, records: list[dict[str, Any]], *, seed: int) -> dict[str, Any]:
+    def summarize(self, records: list[dict[str, Any]], *, seed: int, level: Level = NOMINAL) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for i, text_set in enumerate(TEXT_SETS):
             recs, unsupported = scored_records([r for r in records if r["text_set"] == text_set])
@@ -59,10 +59,10 @@ class PerplexityTask:
                 out[text_set] = {"not_computed": [f"all perplexity statistics: {why}" for why in unsupported]}
             if not recs:
                 continue
-            stats = token_stats(recs, seed=seed + 100 * i)
+            stats = token_stats(recs, seed=seed + 100 * i, level=level)
             stats["llama_cpp"] = llama_cpp_stats(recs)  # the same tokens in llama-perplexity's names and set
             stats["mean_nll"] = paired_delta(
                 [sum(r["nll_candidate"]) / r["tokens"] for r in recs], [sum(r["nll_baseline"]) / r["tokens"] for r in recs],
-                [r["tokens"] for r in recs], seed=seed + 100 * i + 50)
+                [r["tokens"] for r in recs], seed=seed + 100 * i + 50, level=level)
             out[text_set] = stats
         return out

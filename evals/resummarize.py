@@ -17,7 +17,7 @@ from qtoolkit.io import read_results_json
 
 from .registry import make_task
 from .results import EvalResults
-from .stats.paired import confidence_level
+from .stats.paired import Level
 from .summary import TaskSummary
 
 
@@ -45,8 +45,8 @@ def resummarize(path: Path, level_at: Callable[[int], float], looks: int, task_o
         if missing:
             raise QToolError(f"{path}: task {name} has no records for {len(missing)} of its {n} items "
                              f"(e.g. {missing[0]}): it cannot be judged again; rerun the sign-off")
-        with confidence_level(level_at(n), looks=looks):
-            summary = TaskSummary.from_json(task.summarize([entry["records"][i] for i in ids], seed=seed)).to_json()
+        summary = TaskSummary.from_json(task.summarize([entry["records"][i] for i in ids], seed=seed,
+                                                       level=Level(level_at(n), looks))).to_json()
         if "isolation" in entry["summary"]:
             summary["isolation"] = entry["summary"]["isolation"]
         entry["summary"] = summary

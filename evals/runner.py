@@ -19,7 +19,7 @@ from .backends.cached import CachedGenerations
 from .backends.factory import make_backend
 from .registry import make_task, parse_tasks
 from .results import EvalResults, ResultsFile
-from .stats.paired import N_RESAMPLES, current_confidence
+from .stats.paired import N_RESAMPLES, NOMINAL, Level
 from .summary import PairedDelta, Rate, TaskSummary, TextStats
 from .task import check_same_vocabulary
 
@@ -50,6 +50,9 @@ class EvalConfig:
     # redeploy at the same URL reuses neither finished items nor cached completions
     endpoint_identity: str | None = None
     baseline_endpoint_identity: str | None = None
+    # the level every summary's intervals are computed at: a sequential sign-off's look sets it
+    # (qtoolkit/signoff/error_spending.py)
+    level: Level = NOMINAL
 
 
 def model_identity(spec: str | None, endpoint: str | None, backend: str,
@@ -110,8 +113,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     built = {name: make_task(name, seed=cfg.seed, **cfg.task_options) for name in names}
     store = ResultsFile(cfg.output, overwrite=cfg.overwrite,
                         inputs={"models": identities, "tasks": names, "limit": cfg.limit, "seed": cfg.seed,
-                                # the sequential sign-off's look sets the level (qtoolkit/signoff/error_spending.py)
-                                "bootstrap": {"resamples": N_RESAMPLES, "confidence": current_confidence(),
+                                "bootstrap": {"resamples": N_RESAMPLES, "confidence": cfg.level.confidence,
                                               "unit": "item (paired)"}})
     models = _LazyPair(cfg, identities["baseline"])
     for name in names:
@@ -125,7 +127,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
                 store.add(name, task.run_batch(batch, *models.get()))
                 progress.update(len(batch))
         records = [done[it["id"]] for it in items]
-        summary = TaskSummary.from_json(task.summarize(records, seed=cfg.seed))
+        summary = TaskSummary.from_json(task.summarize(records, seed=cfg.seed, level=cfg.level))
         store.finish(name, summary.to_json(), [it["id"] for it in items])
         pair = models.pair
         if pair is not None:

@@ -15,7 +15,7 @@ from rouge_score import rouge_scorer
 from .backends.base import Backend, GenParams
 from .data import ASPECTS, aclsum_items
 from .prompts import user_message
-from .stats.paired import paired_delta, token_stats
+from .stats.paired import NOMINAL, Level, paired_delta, token_stats
 from .task import compare_scored, scored_records
 
 ROUGE = ("rouge1", "rouge2", "rougeL")
@@ -86,16 +86,16 @@ class SummarizationTask:
             records.append(rec)
         return records
 
-    def summarize(self, records: list[dict[str, Any]], *, seed: int) -> dict[str, Any]:
+    def summarize(self, records: list[dict[str, Any]], *, seed: int, level: Level = NOMINAL) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for i, k in enumerate(ROUGE):
             out[k] = paired_delta([r["candidate"][k] for r in records], [r["baseline"][k] for r in records],
-                                  seed=seed + i)
+                                  seed=seed + i, level=level)
         token_records, unsupported = scored_records(records)
         scored = [r for r in records if r["nll_reference_candidate"] is not None]
         out["nll_reference"] = paired_delta(
             [r["nll_reference_candidate"] for r in scored], [r["nll_reference_baseline"] for r in scored],
-            [r["reference_tokens"] for r in scored], seed=seed + 10)
-        out["text_stats"] = token_stats(token_records, seed=seed + 20)
+            [r["reference_tokens"] for r in scored], seed=seed + 10, level=level)
+        out["text_stats"] = token_stats(token_records, seed=seed + 20, level=level)
         out["not_computed"] = [f"nll_reference, text_stats: {why}" for why in unsupported]
         return out

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from qtoolkit.errors import QToolError
 
 from .backends.base import Backend, ScoringUnsupported
-from .stats.paired import token_item_record
+from .stats.paired import NOMINAL, Level, token_item_record
 
 
 class TaskError(QToolError):
@@ -28,7 +28,7 @@ class Task(Protocol):
 
     def run_batch(self, items: list[dict[str, Any]], candidate: Backend, baseline: Backend) -> list[dict]: ...
 
-    def summarize(self, records: list[dict[str, Any]], *, seed: int) -> dict[str, Any]: ...
+    def summarize(self, records: list[dict[str, Any]], *, seed: int, level: Level = NOMINAL) -> dict[str, Any]: ...
 
     def settings(self) -> dict[str, Any]: ...
 

@@ -16,10 +16,10 @@ import pytest
 from qtoolkit.evals.stats import at_bound as ab
 from qtoolkit.evals.stats import intervals as iv
 from qtoolkit.evals.stats.at_bound_table import ONE_LOOK, SEVERAL_LOOKS, SIDE_SHARES
-from qtoolkit.evals.stats.paired import N_RESAMPLES, binary_delta_ci, confidence_level, side_errors
+from qtoolkit.evals.stats.paired import N_RESAMPLES, Level, binary_delta_ci, side_errors
 from qtoolkit.evals.summary import figure_from_json
 
-from qtoolkit.signoff.gates import FAIL, INCONCLUSIVE, PASS, judge_interval, judge_quality
+from qtoolkit.signoff.verdicts import FAIL, INCONCLUSIVE, PASS, judge_interval, judge_quality
 
 RUNS = 2000
 RESAMPLES = N_RESAMPLES  # the sign-off's own: the far tails the PASS end reads depend on it
@@ -44,8 +44,7 @@ def test_all_concordant_pairs_give_a_real_interval_not_a_point():
 @pytest.mark.parametrize("level", [0.95, 0.9942, 0.99])
 def test_eight_concordant_items_never_pass_the_pass_at_1_gate(looks, level):
     both = [1, 1, 1, 1, 0, 0, 0, 0]
-    with confidence_level(level, looks=looks):
-        ci = binary_delta_ci(both, both)
+    ci = binary_delta_ci(both, both, Level(level, looks))
     fig = figure_from_json({"candidate": 0.5, "baseline": 0.5, "delta": 0.0, **ci.fields(), "items": 8})
     j = judge_quality(fig, -1.0, False, max_=0.15, min_=None, min_share=0.25)
     assert j.verdict != PASS, j.detail
@@ -200,11 +199,10 @@ def test_sided_interval_reads_the_pass_end_at_its_own_level():
     rng = np.random.default_rng(0)
     v = rng.lognormal(-3, 0.4, 40)
     from qtoolkit.evals.stats.paired import mean_ci
-    with confidence_level(0.99, looks=4):
-        ci = mean_ci(v, seed=0, shape="kld")
+    ci = mean_ci(v, seed=0, shape="kld", level=Level(0.99, 4))
     pass_err, fail_err = side_errors("kld", 0.01, 4)
-    at_pass = mean_ci(v, seed=0, shape="kld", confidence=1 - 2 * pass_err, method=ci.method)
-    at_fail = mean_ci(v, seed=0, shape="kld", confidence=1 - 2 * fail_err, method=ci.method)
+    at_pass = mean_ci(v, seed=0, shape="kld", level=Level(1 - 2 * pass_err), method=ci.method)
+    at_fail = mean_ci(v, seed=0, shape="kld", level=Level(1 - 2 * fail_err), method=ci.method)
     assert ci.bounds == pytest.approx([at_fail.bounds[0], at_pass.bounds[1]])
 
 

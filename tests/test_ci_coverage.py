@@ -12,10 +12,10 @@ from qtoolkit.evals.stats.paired import LABELS, coverage_at, paired_delta, ratio
 from qtoolkit.evals.summary import figure_from_json
 
 from qtoolkit.commands.signoff import DEFAULT_MAX_ITEMS
-from qtoolkit.signoff.gates import INCONCLUSIVE, PASS, judge_quality
 from qtoolkit.signoff.policy import load_policy
 from qtoolkit.signoff.sequential import stages
 from qtoolkit.signoff.steps import SignoffConfig
+from qtoolkit.signoff.verdicts import INCONCLUSIVE, PASS, judge_quality
 
 RUNS = 2000
 GATED = ("kld", "nll", "bounded", "binary", "rounds")  # kld_mean, nll_delta, rougeL_drop, pass_at_1_drop, speedup

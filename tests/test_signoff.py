@@ -14,11 +14,11 @@ from qtoolkit.cli import main
 from qtoolkit.model.sources import resolve_model
 from qtoolkit.quantize.recipe import load_recipe
 from qtoolkit.quantize.report import QuantizeReport, QuantizeSummary
-from qtoolkit.signoff.gates import EXIT_CODES, overall
 from qtoolkit.signoff.policy import load_policy
 from qtoolkit.signoff.run import SignoffRun
 from qtoolkit.signoff.steps import SignoffConfig
 from qtoolkit.signoff.sweep import Candidate, _local_judge
+from qtoolkit.signoff.verdicts import EXIT_CODES, overall
 
 pytestmark = pytest.mark.slow
 ARGS = ["--limit", "2", "--max-items", "2", "--concurrency", "1,2", "--num-requests", "2"]

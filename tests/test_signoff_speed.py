@@ -127,3 +127,18 @@ def test_false_pass_at_the_bound_is_within_five_percent(spread):
     cell = simulate(spread, 3, 9, runs=4000, seed=7)
     assert cell.false_pass_any_look <= 0.05 and cell.false_pass_stopping <= cell.false_pass_any_look
     assert cell.looks == [3, 5, 7, 9]
+
+
+def test_a_sweeps_share_reaches_the_speed_gates_and_the_ablations_rounds():
+    """A sweep re-judges a candidate's bench at its family-wise share (signoff/family.py): the level is passed
+    to the bench read, and both the speed gates and the ablation's intervals over rounds are made at it."""
+    fast = ([0.030, 0.031, 0.029], [0.010, 0.0105, 0.0098])
+    nominal, share = _bench({1: fast}, rounds=3), _bench({1: fast}, rounds=3)
+    share = AblationBench(share.tiers, share.systems, share.rounds, share.speed_rounds, 1 - 0.05 / 3)
+    at = {name: _gates(b)["throughput.decode_tpot_ratio@c1"] for name, b in (("all", nominal), ("share", share))}
+    assert f"{speed_design((3, 5, 7, 9), 0.05 / 3).levels[0]:.2%} interval" in at["share"].detail
+    assert at["share"].judged < at["all"].judged  # a stricter level, a lower end further from the point
+    rounds = {PAIR[0]: [10.0, 11.0, 10.5], PAIR[1]: [20.0, 21.5, 20.2]}
+    from qtoolkit.bench.ablation import paired_rounds
+    wide, narrow = paired_rounds(rounds, PAIR[1], PAIR[0], 0.99), paired_rounds(rounds, PAIR[1], PAIR[0])
+    assert wide["ci95"][0] < narrow["ci95"][0]

@@ -13,7 +13,7 @@ from qtoolkit.evals.summary import NotComputed, TaskSummary
 
 from qtoolkit.errors import DataError
 from qtoolkit.provenance import provenance
-from qtoolkit.signoff import gates as verdicts
+from qtoolkit.signoff import verdicts
 from qtoolkit.signoff.judge import Gate
 from qtoolkit.signoff.policy import load_policy
 from qtoolkit.signoff.report import write_reports

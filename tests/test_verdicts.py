@@ -12,10 +12,10 @@ from qtoolkit.evals.stats.paired import paired_delta
 from qtoolkit.evals.summary import figure_from_json
 
 from qtoolkit.cli import main
-from qtoolkit.signoff.gates import FAIL, INCONCLUSIVE, NO_EVIDENCE, PASS, judge_quality, overall
 from qtoolkit.signoff.judge import Gate
 from qtoolkit.signoff.policy import load_policy
 from qtoolkit.signoff.run import evaluate_gates
+from qtoolkit.signoff.verdicts import FAIL, INCONCLUSIVE, NO_EVIDENCE, PASS, judge_quality, overall
 
 POLICY = ("version: 1\nname: t\ntasks:\n  code:\n    kld_mean: {max: 0.10}\n"
           "    pass_at_1_drop: {max: 0.15, min_baseline_share: 0.25}\n")
@@ -127,7 +127,7 @@ def test_inconclusive_gate_draws_more_items_up_to_the_budget():
     calls: list[tuple[int, bool]] = []
     drawn = {"n": 0}
 
-    def run(items: int, overwrite: bool, tasks: list[str] | None) -> None:
+    def run(items: int, overwrite: bool, tasks: list[str] | None, level: object) -> None:
         calls.append((items, overwrite, tasks))
         drawn["n"] = items
 

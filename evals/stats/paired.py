@@ -15,9 +15,7 @@ for paired pass/fail, t on log ratios for rounds), and marks the interval unreli
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,33 +32,24 @@ BOOTSTRAP_NEEDS_COUNTS = {"percentile", "bca", "studentized"}
 
 N_RESAMPLES = 2000
 CONFIDENCE = 0.95
-# the level of the sequential sign-off's current look (qtoolkit/signoff/error_spending.py): every task's summarize
-# computes its intervals through these functions, so the look's level reaches them without threading an argument
-# through each task
-_LEVEL: ContextVar[float] = ContextVar("confidence", default=CONFIDENCE)
-# inside a sign-off's look the two ends of a gate's interval spend their own error (gate_sides below)
-_LOOKS: ContextVar[int] = ContextVar("looks", default=0)  # 0: not inside a sign-off's look
 
 
-@contextmanager
-def confidence_level(level: float, *, looks: int | None = None) -> Iterator[None]:
-    """Intervals computed inside use `level` unless a call names its own; `looks` (the sign-off's planned number
-    of looks) makes the gates' figures spend the look's error 1 - level end by end (`side_errors`), as a
-    sign-off's look does."""
-    if not 0 < level < 1:
-        raise ValueError(f"confidence level must be in (0, 1), got {level}")
-    token = _LEVEL.set(level)
-    side_token = None if looks is None else _LOOKS.set(looks)
-    try:
-        yield
-    finally:
-        _LEVEL.reset(token)
-        if side_token is not None:
-            _LOOKS.reset(side_token)
+@dataclass(frozen=True)
+class Level:
+    """The level a summary's intervals are computed at, passed down by whoever sets it: a sequential sign-off's
+    look (qtoolkit/signoff/error_spending.py), --rejudge's look, a sweep's family-wise share. `looks` > 0 (the
+    sign-off's planned number of looks) makes the gates' figures spend the look's error 1 - confidence end by
+    end (`side_errors`), as a sign-off's look does; 0: a plain two-sided interval."""
+
+    confidence: float = CONFIDENCE
+    looks: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.confidence < 1:
+            raise ValueError(f"confidence level must be in (0, 1), got {self.confidence}")
 
 
-def current_confidence() -> float:
-    return _LEVEL.get()
+NOMINAL = Level()  # 95%, two-sided: every interval outside a sign-off's look
 
 
 # Which end of a delta's interval (candidate - baseline) a PASS reads, per shape: the policy bounds KLD and NLL
@@ -92,12 +81,6 @@ def sided_interval(lo_hi: Callable[[float], tuple[np.ndarray, np.ndarray]], shap
     if PASS_END.get(shape, 1):
         return at_fail[0], at_pass[1]
     return at_pass[0], at_fail[1]
-
-
-def sided_now(confidence: float | None) -> int:
-    """The sign-off's planned looks when intervals are sided (inside a look, for calls that do not name their own
-    level), else 0."""
-    return _LOOKS.get() if confidence is None else 0
 
 
 LABELS = {"studentized": "bootstrap-t (studentized, by item)", "bca": "BCa bootstrap (by item)",
@@ -166,11 +149,10 @@ def refine_shapes(shape: str, v: np.ndarray) -> np.ndarray:
 
 
 def mean_ci(values: Sequence[float], weights: Sequence[float] | None = None, *, seed: int, shape: str = "nll",
-            n_resamples: int = N_RESAMPLES, confidence: float | None = None, method: str | None = None) -> CI:
+            n_resamples: int = N_RESAMPLES, level: Level = NOMINAL, method: str | None = None) -> CI:
     """CI of the (weighted, ratio-of-sums) mean of per-item values, by the method the coverage table picks
-    (at `confidence`, else the current look's level; inside a sign-off's look each end at its side's level)."""
-    sided = sided_now(confidence)
-    confidence = current_confidence() if confidence is None else confidence
+    at `level` (inside a sign-off's look, `level.looks` > 0: each end at its side's level)."""
+    sided, confidence = level.looks, level.confidence
     v = np.asarray(values, dtype=np.float64)
     shape = refine_shape(shape, v)
     chosen, cov, ok = coverage_at(shape, int(v.size), confidence)
@@ -194,17 +176,16 @@ def mean_ci(values: Sequence[float], weights: Sequence[float] | None = None, *, 
 
 
 def bootstrap_ci(values: Sequence[float], weights: Sequence[float] | None = None, *, seed: int,
-                 n_resamples: int = N_RESAMPLES, confidence: float | None = None,
+                 n_resamples: int = N_RESAMPLES, level: Level = NOMINAL,
                  method: str | None = None) -> list[float] | None:
     """CI bounds of the (weighted) mean of per-item values; items are resampled whole (see mean_ci)."""
-    return mean_ci(values, weights, seed=seed, n_resamples=n_resamples, confidence=confidence, method=method).bounds
+    return mean_ci(values, weights, seed=seed, n_resamples=n_resamples, level=level, method=method).bounds
 
 
-def binary_delta_ci(candidate: Sequence[float], baseline: Sequence[float], confidence: float | None = None) -> CI:
+def binary_delta_ci(candidate: Sequence[float], baseline: Sequence[float], level: Level = NOMINAL) -> CI:
     """The paired interval for a difference of pass rates the coverage table picks at this n (Tango's score
-    interval or Newcombe's hybrid score interval): never a point, even when all pairs agree."""
-    sided = sided_now(confidence)
-    confidence = current_confidence() if confidence is None else confidence
+    interval or Newcombe's hybrid score interval) at `level`: never a point, even when all pairs agree."""
+    sided, confidence = level.looks, level.confidence
     c, b = np.asarray(candidate, dtype=bool), np.asarray(baseline, dtype=bool)
     method, cov, ok = coverage_at("binary", int(c.size), confidence)
     if c.size == 0:
@@ -230,8 +211,8 @@ def weighted_mean(values: Sequence[float], weights: Sequence[float] | None = Non
 
 
 def paired_delta(candidate: Sequence[float], baseline: Sequence[float], weights: Sequence[float] | None = None,
-                 *, seed: int, shape: str | None = None) -> dict[str, Any]:
-    """Candidate and baseline means over the same items, their difference and its paired 95% CI.
+                 *, seed: int, shape: str | None = None, level: Level = NOMINAL) -> dict[str, Any]:
+    """Candidate and baseline means over the same items, their difference and its paired CI at `level`.
 
     The interval's shape is read from the data unless given: unweighted 0/1 outcomes are paired binary
     (Tango's score interval), token-weighted per-item figures are NLL-like, other values in [0, 1] are bounded (ROUGE-like).
@@ -244,23 +225,22 @@ def paired_delta(candidate: Sequence[float], baseline: Sequence[float], weights:
         in_unit = c.size > 0 and min(c.min(), b.min()) >= 0 and max(c.max(), b.max()) <= 1
         shape = ("binary" if weights is None and c.size and _is_binary(c, b)
                  else "nll" if weights is not None or not in_unit else "bounded")
-    ci = binary_delta_ci(c, b) if shape == "binary" else mean_ci(c - b, weights, seed=seed, shape=shape)
+    ci = (binary_delta_ci(c, b, level) if shape == "binary"
+          else mean_ci(c - b, weights, seed=seed, shape=shape, level=level))
     return {"candidate": mc, "baseline": mb, "delta": None if mc is None else mc - mb, **ci.fields(),
             "items": int(c.size)}
 
 
 def ratio_over_rounds(candidate: Sequence[float], baseline: Sequence[float],
-                      confidence: float | None = None) -> dict[str, Any]:
+                      confidence: float = CONFIDENCE) -> dict[str, Any]:
     """Geometric mean of paired per-round ratios candidate/baseline and its t-interval over rounds, at
-    `confidence` (default: the level `confidence_level` sets, 95% outside one; a sweep judges its candidates'
-    throughput at the family-wise level this way).
+    `confidence` (a sweep judges its candidates' throughput at its family-wise share this way).
 
     For throughput measured in repeated rounds (both systems run back to back in each round): a round's ratio
     carries that round's drift on both sides, and the spread between rounds is what a rerun would see. Rounds are
     few, so the interval uses Student's t on the log ratios rather than a bootstrap (which needs many items); the
     harness (evals/stats/coverage.py, shape "rounds") measures its coverage over 2-10 rounds.
     """
-    confidence = current_confidence() if confidence is None else confidence
     c, b = np.asarray(candidate, dtype=np.float64), np.asarray(baseline, dtype=np.float64)
     if c.shape != b.shape or c.size == 0 or np.any(c <= 0) or np.any(b <= 0):
         raise ValueError("ratio_over_rounds needs the same number (> 0) of positive figures on both sides")
@@ -310,7 +290,7 @@ def token_item_record(target_c, target_b, logprobs_c=None, logprobs_b=None, top1
     return rec
 
 
-def token_stats(records: list[dict[str, Any]], *, seed: int) -> dict[str, Any]:
+def token_stats(records: list[dict[str, Any]], *, seed: int, level: Level = NOMINAL) -> dict[str, Any]:
     """llama.cpp-style statistics over all tokens of all items, plus CIs of the means clustered by item.
 
     The `±` beside each mean treats tokens as independent (what llama.cpp prints); tokens of one text are not
@@ -330,7 +310,7 @@ def token_stats(records: list[dict[str, Any]], *, seed: int) -> dict[str, Any]:
     ratio = math.exp(ln_ratio[0])
 
     def item_ci(fn, shape: str, offset: int) -> CI:
-        return mean_ci([float(np.mean(fn(r))) for r in records], w, seed=seed + offset, shape=shape)
+        return mean_ci([float(np.mean(fn(r))) for r in records], w, seed=seed + offset, shape=shape, level=level)
 
     ln_ci = item_ci(lambda r: np.subtract(r["nll_candidate"], r["nll_baseline"]), "nll", 0)
     ratio_ci = CI([math.exp(x) for x in ln_ci.bounds], ln_ci.method, ln_ci.coverage, ln_ci.reliable)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qtoolkit.evals.stats.paired import ratio_over_rounds
+from qtoolkit.evals.stats.paired import CONFIDENCE, ratio_over_rounds
 
 from ..engine.config import EngineConfig
 from ..errors import QToolError
@@ -102,26 +102,28 @@ class SpeedRounds:
 @dataclass(frozen=True)
 class AblationBench:
     """bench.json of a local sign-off as the gates read it: every tier with its paired rounds, the systems, the
-    rounds configured and the speed gates' further looks (the rest of the file is provenance)."""
+    rounds configured and the speed gates' further looks (the rest of the file is provenance), judged at `level`
+    (not in the file: 95%, or 1 - a sweep's family-wise share of a candidate)."""
 
     tiers: list[TierRecord]
     systems: list[str] = field(default_factory=list)
     rounds: int | None = None  # config.rounds: every system's rounds at every tier (the speed gates' first look)
     speed_rounds: SpeedRounds | None = None
+    level: float = CONFIDENCE  # the rounds' intervals and the speed gates' overall error 1 - level
     capacity: CapacityRounds | None = None  # the capacity gate's paired searches, when the policy sets an SLO
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> AblationBench:
+    def from_json(cls, d: dict[str, Any], level: float = CONFIDENCE) -> AblationBench:
         config = d.get("config")
         speed, capacity = d.get("speed_rounds"), d.get("capacity")
         return cls([TierRecord.from_json(t) for t in d.get("tiers") or []],
                    list(config.get("systems") or []) if config else [], config.get("rounds") if config else None,
-                   SpeedRounds.from_json(speed) if speed else None,
+                   SpeedRounds.from_json(speed) if speed else None, level,
                    CapacityRounds.from_json(capacity) if capacity else None)
 
     @property
     def table(self) -> AblationTable:
-        return AblationTable([AblationRow.from_tier(t) for t in self.tiers], list(self.systems))
+        return AblationTable([AblationRow.from_tier(t, self.level) for t in self.tiers], list(self.systems))
 
 
 @dataclass(frozen=True)
@@ -419,8 +421,9 @@ class AblationRow:
                    d.get("quantization_speedup_rounds"), d.get("marginal_rounds"), d.get("alone_rounds"))
 
     @classmethod
-    def from_tier(cls, tier: TierRecord) -> AblationRow:
-        """Per tier: tok/s of each stacked layer, its marginal gain over the layer before, and the total."""
+    def from_tier(cls, tier: TierRecord, level: float = CONFIDENCE) -> AblationRow:
+        """Per tier: tok/s of each stacked layer, its marginal gain over the layer before, and the total (the
+        intervals over rounds at `level`)."""
         steps: list[AblationStep] = []
         prev = None
         for layer in STACK:
@@ -438,7 +441,7 @@ class AblationRow:
         rounds = tier.rounds or {}
 
         def over_rounds(system: str, below: str = BASELINE_STATIC.label) -> dict[str, Any] | None:
-            return paired_rounds(rounds, system, below)
+            return paired_rounds(rounds, system, below, level)
 
         marginal = {s.label: r for s, below in zip(steps[1:], steps, strict=False)
                     if (r := over_rounds(s.system, below.system)) is not None}
@@ -449,14 +452,15 @@ class AblationRow:
                    marginal or None, alone_r or None)
 
 
-def paired_rounds(rounds: dict[str, list[float]], numerator: str, denominator: str) -> dict[str, Any] | None:
+def paired_rounds(rounds: dict[str, list[float]], numerator: str, denominator: str,
+                  level: float = CONFIDENCE) -> dict[str, Any] | None:
     """numerator / denominator over the rounds both served (paired by round index: the speed gates' pair may
     have served more rounds than the other systems); None with fewer than two such rounds."""
     a, b = rounds.get(numerator) or [], rounds.get(denominator) or []
     n = min(len(a), len(b))
     if n < 2 or min(a[:n]) <= 0 or min(b[:n]) <= 0:
         return None
-    return ratio_over_rounds(a[:n], b[:n])
+    return ratio_over_rounds(a[:n], b[:n], level)
 
 
 @dataclass(frozen=True)

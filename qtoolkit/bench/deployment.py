@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from qtoolkit.evals.stats.paired import ratio_over_rounds
+from qtoolkit.evals.stats.paired import CONFIDENCE, ratio_over_rounds
 
 from ..endpoints.deployment import Deployment, EndpointError, EndpointInfo
 from ..provenance import provenance
@@ -104,13 +104,13 @@ class ThroughputRow:
     quantization_speedup_rounds: None = None
 
     @classmethod
-    def from_tier(cls, tier: TierRecord) -> ThroughputRow:
+    def from_tier(cls, tier: TierRecord, level: float = CONFIDENCE) -> ThroughputRow:
         c, b = (EndpointFigures.from_summary(tier.results[r]) for r in ("candidate", "baseline"))
         ok = c.completed and b.completed and not c.failed and not b.failed and b.output_tok_per_s
         rounds = tier.rounds
         return cls(tier.concurrency, tier.num_requests, {"baseline": b, "candidate": c},
                    c.output_tok_per_s / b.output_tok_per_s if ok else None,
-                   ratio_over_rounds(rounds["candidate"], rounds["baseline"]) if ok and rounds else None)
+                   ratio_over_rounds(rounds["candidate"], rounds["baseline"], level) if ok and rounds else None)
 
     def to_json(self) -> dict[str, Any]:
         out = {"concurrency": self.concurrency, "num_requests": self.num_requests,
@@ -147,7 +147,8 @@ class ThroughputTable:
         return cls([ThroughputRow.from_json(t) for t in d["tiers"]], d["workload_sha256"])
 
 
-def throughput_table(bench: dict[str, Any]) -> ThroughputTable:
-    """The table of a bench_deployments result (as written to bench.json)."""
-    return ThroughputTable([ThroughputRow.from_tier(TierRecord.from_json(t)) for t in bench["tiers"]],
+def throughput_table(bench: dict[str, Any], level: float = CONFIDENCE) -> ThroughputTable:
+    """The table of a bench_deployments result (as written to bench.json), its intervals over rounds at
+    `level` (95%, or 1 - a sweep's family-wise share of a candidate)."""
+    return ThroughputTable([ThroughputRow.from_tier(TierRecord.from_json(t), level) for t in bench["tiers"]],
                            bench["inputs"]["workload_sha256"])

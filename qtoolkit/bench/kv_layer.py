@@ -25,6 +25,7 @@ from ..server.metrics import samples
 from ..server.process import server_process
 from .load_client import requests_sha256, run_load, served_models, summarize, warm_up
 from .loop import TierLoop, ratio_rounds
+from .summary import TierSummary
 from .types import BenchRequest, Workload
 from .workloads import as_workload
 
@@ -132,7 +133,7 @@ def bench_kv_layer(checkpoint: str | Path, kv_cache_dtype: str, engine: EngineCo
     def measure(name: str, reqs: list[BenchRequest], c: int, s: int) -> dict[str, Any]:
         out = _measure_one(str(checkpoint), engines[name], reqs, c, s, seed)
         preemptions[name].append(out["preemptions"])
-        tpot = out["tpot_s"]["mean"]
+        tpot = TierSummary.from_json(out).tpot.mean
         decode[name].append(1 / tpot if tpot else 0.0)
         return out
 

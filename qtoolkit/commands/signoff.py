@@ -8,7 +8,7 @@ import sys
 
 from qtoolkit.endpoints.args import add_server_arguments, resolve_server
 from qtoolkit.errors import QToolError
-from qtoolkit.signoff.gates import EXIT_CODES
+from qtoolkit.signoff.verdicts import EXIT_CODES
 
 # ACLSum ROUGE-L's per-item deltas spread ~0.09 (measurements/2026-12-01/rougeL-fp8-8items.json): the CI
 # half-width is ~0.06 at 8 items and ~0.02 at 64, narrow enough to decide against the default policy's 0.05 bound

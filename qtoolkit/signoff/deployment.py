@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qtoolkit.evals.runner import EvalConfig, evaluate
+from qtoolkit.evals.stats.paired import Level
 
 from ..bench.deployment import ThroughputTable, bench_deployments, throughput_table
 from ..endpoints.deployment import Deployment, EndpointInfo, endpoint, probe
@@ -26,7 +27,7 @@ from ..model.sources import resolve_model
 from ..progress import status
 from ..provenance import provenance
 from ..quantize.report import QuantizeReport
-from . import gates as verdicts
+from . import verdicts
 from . import workload as custom_signoff
 from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
@@ -143,7 +144,7 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
     if cfg.data:  # an edited workload file is other evidence: its hash is in the key, as in the local sign-off
         inputs["data"] = custom_signoff.data_inputs(cfg.data)
 
-    def run(items: int, overwrite: bool, only: list[str] | None) -> None:
+    def run(items: int, overwrite: bool, only: list[str] | None, level: Level) -> None:
         evaluate(EvalConfig(
             model=cfg.model, baseline=deps["baseline"].local, tasks=",".join(only) if only else tasks,
             output=str(out / "eval.json"), limit=items, endpoint=infos["candidate"].url,
@@ -151,7 +152,7 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
             model_id=infos["candidate"].model_id, baseline_model_id=infos["baseline"].model_id,
             task_options=cfg.task_options(), endpoint_identity=infos["candidate"].identity,
             baseline_endpoint_identity=infos["baseline"].identity,
-            baseline_generations=cfg.baseline_generations))
+            baseline_generations=cfg.baseline_generations, level=level))
 
     def judge() -> tuple[list[Gate], list[Gate]]:
         evals = EvalResults.load(out / "eval.json")

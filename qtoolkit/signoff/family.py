@@ -28,8 +28,7 @@ from typing import Any
 
 from ..evals.results import EvalResults
 from ..evals.resummarize import resummarize
-from ..evals.stats.paired import confidence_level
-from . import gates as verdicts
+from . import verdicts
 from .error_spending import ALPHA, plan
 from .judge import Gate
 from .sequential import stages
@@ -77,8 +76,7 @@ def judge_at(alpha: float, folder: Path, levels: dict[int, float], task_options:
 
     source = folder / "eval.json"
     evals = resummarize(source, level_at, len(levels), task_options) if source.is_file() else None
-    with confidence_level(1 - alpha, looks=len(levels)):
-        gates = rejudge(evals, 1 - alpha)
+    gates = rejudge(evals, 1 - alpha)
     verdict = verdicts.overall([(g.verdict, g.required) for g in gates]) if gates else verdicts.INCONCLUSIVE
     return FamilyJudgement(alpha, verdict, gates)
 

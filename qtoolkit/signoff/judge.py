@@ -16,7 +16,7 @@ from ..bench.deployment import ThroughputTable
 from ..evals.results import EvalResults
 from ..evals.summary import RoundsRatio
 from ..quantize.report import QuantizeReport, QuantizeSummary
-from . import gates as verdicts
+from . import verdicts
 from .policy import METRICS, Policy, metric_figure, read_metric
 from .speed import judge_speed, speed_gate_name, speed_ratios
 
@@ -32,7 +32,7 @@ class Gate:
     detail: str
     point: float | None = None
     judged: float | None = None
-    verdict: str = ""  # PASS | FAIL | INCONCLUSIVE | NO EVIDENCE (qtoolkit/signoff/gates.py)
+    verdict: str = ""  # PASS | FAIL | INCONCLUSIVE | NO EVIDENCE (qtoolkit/signoff/verdicts.py)
     required: bool = True
     resolution: str = ""  # the smallest violation the gate could detect at the sample size used
     ci_method: str | None = None

@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from ..bench.memory import PeakMemory
 from ..io import write_json, write_text
 from ..provenance import provenance
-from . import gates as verdicts
+from . import verdicts
 from .family import NAME as FAMILY_METHOD
 from .judge import Gate
 from .policy import Policy

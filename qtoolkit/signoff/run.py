@@ -22,6 +22,7 @@ from ..evals.results import EvalResults
 from ..evals.resummarize import resummarize
 from ..evals.runner import EvalConfig, evaluate
 from ..evals.sandbox.run import require
+from ..evals.stats.paired import NOMINAL, Level
 from ..io import write_json
 from ..model.llama import ModelConfig
 from ..model.sources import ModelSource, resolve_model
@@ -163,13 +164,14 @@ class SignoffRun:
             "diagnose", {"model": self.source.sha256, "batches": self.cfg.diagnose_batches}, path,
             lambda: write(path))
 
-    def eval_config(self, tasks: str, items: int, output: Path, overwrite: bool = False) -> EvalConfig:
+    def eval_config(self, tasks: str, items: int, output: Path, overwrite: bool = False,
+                    level: Level = NOMINAL) -> EvalConfig:
         """The candidate against the baseline as its eval step runs them (the sweep re-reads the same items)."""
         cfg = self.cfg
         return EvalConfig(model=str(self.out / "checkpoint"), baseline=str(self.source.path), tasks=tasks,
                           output=str(output), limit=items, endpoint=cfg.endpoint, seed=cfg.seed, overwrite=overwrite,
                           kv_cache_dtype=UNQUANTIZED if cfg.endpoint else self.kv, task_options=cfg.task_options(),
-                          baseline_generations=cfg.baseline_generations)
+                          baseline_generations=cfg.baseline_generations, level=level)
 
     def eval_step(self, cand_key: str) -> None:
         cfg, policy, out, tasks, data = self.cfg, self.policy, self.out, self.tasks, self.data
@@ -177,9 +179,9 @@ class SignoffRun:
                   "endpoint": cfg.endpoint, "seed": cfg.seed, **({"data": data} if data else {}),
                   **({"kv_cache_dtype": self.kv} if self.kv != UNQUANTIZED and not cfg.endpoint else {})}
 
-        def run(items: int, overwrite: bool, only: list[str] | None) -> None:
+        def run(items: int, overwrite: bool, only: list[str] | None, level: Level) -> None:
             # a further look reuses the items of the looks before it
-            evaluate(self.eval_config(",".join(only) if only else tasks, items, out / "eval.json", overwrite))
+            evaluate(self.eval_config(",".join(only) if only else tasks, items, out / "eval.json", overwrite, level))
 
         def judge() -> tuple[list[Gate], list[Gate]]:
             evals = EvalResults.load(out / "eval.json")

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..evals.stats.paired import confidence_level
+from ..evals.stats.paired import Level
 from ..io import write_json
 from .error_spending import ALPHA, Design, plan
 from .judge import Gate
 from .policy import Policy
 from .steps import StepRunner
 
-Run = Callable[[int, bool, list[str] | None], None]
+Run = Callable[[int, bool, list[str] | None, Level], None]
 Judge = Callable[[], tuple[list[Gate], list[Gate]]]
 
 
@@ -49,17 +49,16 @@ def stages(limit: int, max_items: int | None) -> list[int]:
 
 
 def draw_until_decisive(run: Run, judge: Judge, limit: int, max_items: int | None, *, resume: bool) -> list[Look]:
-    """`run(items, overwrite, tasks)` evaluates that many items of those tasks (None: all);
-    `judge()` -> (undecided gates, failed gates)."""
+    """`run(items, overwrite, tasks, level)` evaluates that many items of those tasks (None: all), every
+    interval at the look's level; `judge()` -> (undecided gates, failed gates)."""
     looks: list[Look] = []
     tasks: list[str] | None = None
     design = design_of(limit, max_items)
     for i, (items, level) in enumerate(zip(design.items, design.levels, strict=True)):
         if i:
             tasks = sorted({g.task for g in looks[-1].undecided})
-        with confidence_level(level, looks=len(design.items)):  # every interval this look's eval computes uses the look's level
-            run(items, not resume and i == 0, tasks)
-            undecided, failed = judge()
+        run(items, not resume and i == 0, tasks, Level(level, len(design.items)))
+        undecided, failed = judge()
         looks.append(Look(items, undecided, failed, level))
         if failed or not undecided:
             break

@@ -16,7 +16,7 @@ Rounds: both systems serve each round's fresh requests back to back (interleaved
 that round's drift on both sides; the interval is Student's t on the log ratios over rounds. While a gate is
 undecided more rounds are measured, up to a budget (`qtool signoff --max-rounds`), looks at the round counts
 `round_looks` plans. The error is spent over the looks as the quality gates spend it (error_spending: Lan-DeMets
-Pocock-type), with the whole 5% (1 - the context's confidence level: a sweep's family-wise share) rather than the
+Pocock-type), with the whole 5% (1 - the bench's level: a sweep's family-wise share) rather than the
 quality gates' 3%: the t-interval on log-normal round ratios holds its level (the quality gates spend less
 because KLD intervals undercover), and qtoolkit/signoff/speed_simulation.py measures the false PASS rate with the
 truth exactly on the bound (measurements/2026-12-04/issue40/speed-gate-false-pass.json).
@@ -31,9 +31,9 @@ from typing import Any
 from ..bench.ablation import AblationBench
 from ..bench.capacity import CapacityPlan, CapacityRounds
 from ..bench.loop import TierRecord
-from ..evals.stats.paired import current_confidence, ratio_over_rounds
-from . import gates as verdicts
-from .error_spending import Design, plan
+from ..evals.stats.paired import ratio_over_rounds
+from . import verdicts
+from .error_spending import ALPHA, Design, plan
 from .policy import Policy
 
 DECODE, PREFILL, CAPACITY = "decode", "prefill", "capacity"
@@ -51,10 +51,9 @@ def round_looks(first: int, max_rounds: int | None) -> tuple[int, ...]:
     return tuple(looks)
 
 
-def speed_design(looks: tuple[int, ...] | list[int], alpha: float | None = None) -> Design:
-    """The error-spending design over the looks, spending `alpha` (default: 1 - the context's level, 5% outside
-    a sweep's family-wise judgement); one look: a plain (1 - alpha) interval."""
-    alpha = 1 - current_confidence() if alpha is None else alpha
+def speed_design(looks: tuple[int, ...] | list[int], alpha: float = ALPHA) -> Design:
+    """The error-spending design over the looks, spending `alpha` (5%, or a sweep's family-wise share); one
+    look: a plain (1 - alpha) interval."""
     return plan(tuple(looks), alpha)
 
 
@@ -119,11 +118,12 @@ class SpeedRatio:
 
 def bench_level(bench: AblationBench, alpha: float | None = None) -> tuple[float, int]:
     """(the level the speed gates judge at, rounds measured) from bench.json's speed_rounds: the level of the
-    look the rounds stopped at; a bench without further looks: its own rounds at 1 - alpha."""
+    look the rounds stopped at; a bench without further looks: its own rounds at 1 - alpha (default: the
+    bench's own level)."""
     looks = bench.speed_rounds
     planned = tuple(looks.looks) if looks else ()
     rounds = int((looks.rounds if looks else None) or bench.rounds or 1)
-    design = speed_design(planned if planned else (rounds,), alpha)
+    design = speed_design(planned if planned else (rounds,), 1 - bench.level if alpha is None else alpha)
     return design.level_at(rounds), rounds
 
 
@@ -138,10 +138,6 @@ def capacity_plan(policy: Policy) -> CapacityPlan | None:
     """What the bench measures for the capacity gate, when the policy sets one."""
     c = policy.throughput.capacity
     return None if c is None else CapacityPlan(c.slo.slo(), c.rounds, c.requests_per_probe)
-
-
-def capacity_level(alpha: float | None = None) -> float:
-    return 1 - (1 - current_confidence() if alpha is None else alpha)
 
 
 def speed_ratios(bench: AblationBench | None, policy: Policy, alpha: float | None = None) -> list[SpeedRatio]:
@@ -161,7 +157,7 @@ def speed_ratios(bench: AblationBench | None, policy: Policy, alpha: float | Non
             out.append(SpeedRatio(kind, c, None, None, 0, level) if tier is None or len(pair) != 2
                        else SpeedRatio.of(kind, tier, (pair[0], pair[1]), level))
     if policy.throughput.capacity is not None:
-        level = capacity_level(alpha)
+        level = bench.level if alpha is None else 1 - alpha  # one look: the whole error (a sweep's share)
         out.append(capacity_ratio(bench.capacity, level) if bench.capacity is not None
                    else SpeedRatio(CAPACITY, 0, None, None, 0, level))
     return out

@@ -31,7 +31,7 @@ from ..model.sources import ModelSource, resolve_model
 from ..progress import status
 from ..quantize.plausibility import check_source
 from ..quantize.recipe import Recipe, load_recipe
-from . import gates as verdicts
+from . import verdicts
 from . import workload as custom_signoff
 from .deployment import judge_deployment, signoff_deployments
 from .family import FamilyJudgement, Rejudge, fallback, judge_at, look_levels
@@ -253,7 +253,7 @@ def _local_judge(policy: Policy) -> JudgeAt:
 def _rejudge(c: Candidate, policy: Policy) -> Rejudge:
     def run(evals: EvalResults | None, level: float) -> list[Gate]:
         bench = load_output(c.folder / "bench.json")
-        measured = AblationBench.from_json(bench) if bench else None  # its rounds' intervals at the context's level
+        measured = AblationBench.from_json(bench, level) if bench else None  # its rounds' intervals at the share
         assert c.run is not None
         return evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals,
                               measured.table if measured else None, c.run.quant, measured)
@@ -307,7 +307,8 @@ def _endpoint_judge(policy: Policy) -> JudgeAt:
     def judge(c: Candidate, alpha: float) -> FamilyJudgement:
         def rejudge(evals: EvalResults | None, level: float) -> list[Gate]:
             bench = load_output(c.folder / "bench.json")
-            return judge_deployment(c.cfg, policy, evals, throughput_table(bench) if bench else None, None)[0]
+            table = throughput_table(bench, level) if bench else None
+            return judge_deployment(c.cfg, policy, evals, table, None)[0]
 
         levels = look_levels(c.cfg.limit, c.cfg.max_items, alpha)
         return judge_at(alpha, c.folder, levels, c.cfg.task_options(), rejudge)

@@ -13,7 +13,7 @@ from ..bench.kv_layer import KVLayerRow
 from ..diagnose.result import DiagnoseResult
 from ..evals.results import EvalResults
 from ..quantize.report import QuantizeSummary
-from . import gates as verdicts
+from . import verdicts
 from .judge import Gate
 from .policy import Policy
 from .speed import SpeedRatio
