@@ -672,19 +672,26 @@ inline float quantize_one(float v, bool fp8) {
              : std::min(std::max(std::nearbyint(v), -128.f), 127.f);
 }
 
-// One row of fake_quant_tokens (the decode loop's single-row path calls it on its own copy of the row).
-inline void fake_quant_row(const float* r, int64_t K, bool fp8, float* orow) {
+// max |r[k]| over a row: the per-token scale of both activation quantizers (the fake one and the int8 one).
+inline float row_absmax(const float* r, int64_t K) {
   const int64_t K8 = K / 8 * 8;
-  const float eps = std::numeric_limits<float>::epsilon();
-  const float qmax = fp8 ? 448.f : 127.f, qmin = fp8 ? -448.f : -128.f;
-  __m256 vmax = _mm256_setzero_ps();
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 vmax = _mm256_setzero_ps();
   for (int64_t k = 0; k < K8; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(abs_mask, _mm256_loadu_ps(r + k)));
   float lanes[8];
   _mm256_storeu_ps(lanes, vmax);
   float amax = 0.f;
   for (float l : lanes) amax = std::max(amax, l);
   for (int64_t k = K8; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
+  return amax;
+}
+
+// One row of fake_quant_tokens (the decode loop's single-row path calls it on its own copy of the row).
+inline void fake_quant_row(const float* r, int64_t K, bool fp8, float* orow) {
+  const int64_t K8 = K / 8 * 8;
+  const float eps = std::numeric_limits<float>::epsilon();
+  const float qmax = fp8 ? 448.f : 127.f, qmin = fp8 ? -448.f : -128.f;
+  const float amax = row_absmax(r, K);
   const float scale = std::max(amax / (fp8 ? 448.f : 127.5f), eps);
   const __m256 vs = _mm256_set1_ps(scale), lo = _mm256_set1_ps(qmin), hi = _mm256_set1_ps(qmax);
   for (int64_t k = 0; k < K8; k += 8) {
@@ -729,19 +736,11 @@ std::vector<torch::Tensor> quantize_tokens_int8(torch::Tensor x) {
   int8_t* qo = q.data_ptr<int8_t>();
   float* so = scales.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256 lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
     for (int64_t m = begin; m < end; ++m) {
       const float* r = in + m * K;
       int8_t* qr = qo + m * K;
-      __m256 vmax = _mm256_setzero_ps();
-      for (int64_t k = 0; k < K8; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(abs_mask, _mm256_loadu_ps(r + k)));
-      float lanes[8];
-      _mm256_storeu_ps(lanes, vmax);
-      float amax = 0.f;
-      for (float l : lanes) amax = std::max(amax, l);
-      for (int64_t k = K8; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
-      const float scale = std::max(amax / 127.5f, std::numeric_limits<float>::epsilon());
+      const float scale = std::max(row_absmax(r, K) / 127.5f, std::numeric_limits<float>::epsilon());
       so[m] = scale;
       const __m256 vs = _mm256_set1_ps(scale);
       for (int64_t k = 0; k < K8; k += 8) {

@@ -156,3 +156,17 @@ def test_a_server_that_misses_the_slo_everywhere_stops_at_an_eighth_of_its_start
     assert min(rates) >= 1.0 / 8 and result.estimates(PAIR[0]) == [None]  # no second round
     g = _gate(AblationBench.from_json({"tiers": [], "capacity": result.to_json()}), _policy())
     assert g.verdict == "NO EVIDENCE" and "an eighth of its start" in g.detail
+
+
+def test_a_capacity_gate_not_required_shows_and_fails_but_does_not_hold_the_verdict():
+    from qtoolkit.signoff.verdicts import overall
+
+    policy = _policy()
+    policy.throughput.capacity.required = False  # type: ignore[union-attr]
+    wide = _gate(_bench({PAIR[0]: 2.0, PAIR[1]: 2.0}, noise=0.6), policy)
+    assert wide.verdict in ("INCONCLUSIVE", "PASS", "FAIL") and not wide.required
+    if wide.verdict == "INCONCLUSIVE":
+        assert overall([("PASS", True), (wide.verdict, wide.required)]) == "PASS"
+    down = _gate(_bench({PAIR[0]: 2.0, PAIR[1]: 1.0}), policy)
+    assert down.verdict == "FAIL" and overall([("PASS", True), (down.verdict, down.required)]) == "FAIL"
+    assert load_policy("default").throughput.capacity.required is False  # type: ignore[union-attr]

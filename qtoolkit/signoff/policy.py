@@ -119,6 +119,7 @@ class CapacityGate(BaseModel):
     min_ratio: float = Field(gt=0, allow_inf_nan=False)
     rounds: int = Field(default=3, ge=2, le=20)  # paired searches; two at least, or there is no interval
     requests_per_probe: int = Field(default=16, ge=4, le=1024)
+    required: bool = True  # False: the gate is shown and can FAIL, but its INCONCLUSIVE holds no verdict
 
 
 class ThroughputGates(BaseModel):

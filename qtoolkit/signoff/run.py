@@ -213,8 +213,8 @@ class SignoffRun:
         if speed:  # how many rounds get measured depends on the speed bounds
             inputs |= {"speed_looks": list(looks), "speed_bounds": policy.throughput.model_dump(
                 include={"min_decode_speedup", "prefill_margin", "tiers"})}
-        if policy.throughput.capacity is not None:  # what the searches measure (the bound only judges them)
-            inputs |= {"capacity": policy.throughput.capacity.model_dump(exclude={"min_ratio"})}
+        if policy.throughput.capacity is not None:  # what the searches measure (the bound and `required` only judge them)
+            inputs |= {"capacity": policy.throughput.capacity.model_dump(exclude={"min_ratio", "required"})}
         return inputs, engine, kwargs
 
     def bench_done(self) -> bool:

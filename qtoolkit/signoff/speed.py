@@ -165,7 +165,16 @@ def speed_ratios(bench: AblationBench | None, policy: Policy, alpha: float | Non
 
 def judge_speed(fig: SpeedRatio, policy: Policy) -> verdicts.Judgement:
     """PASS when the lower end is within the bound, FAIL when the upper end is below it, else INCONCLUSIVE;
-    a missing or non-finite end never passes. The detail names the level actually used."""
+    a missing or non-finite end never passes. The detail names the level actually used. A capacity gate the
+    policy marks `required: false` is shown and can FAIL, but its INCONCLUSIVE holds no verdict."""
+    j = _judge_speed(fig, policy)
+    capacity = policy.throughput.capacity
+    if fig.kind == CAPACITY and capacity is not None and not capacity.required:
+        j.required = False
+    return j
+
+
+def _judge_speed(fig: SpeedRatio, policy: Policy) -> verdicts.Judgement:
     minimum = speed_limit(KINDS[fig.kind][1], policy)
     assert minimum is not None
     where = f" at concurrency {fig.concurrency}" if fig.concurrency else ""
