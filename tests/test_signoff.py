@@ -114,17 +114,22 @@ def test_a_capacity_policy_measures_paired_searches_and_opens_the_report_with_th
     assert main(args) in (0, 1, 3)
     bench = json.loads((out / "bench.json").read_text())
     capacity = bench["capacity"]
-    assert capacity["pair"] == ["baseline_continuous", "candidate_continuous"] and len(capacity["sweeps"]) == 3
+    assert capacity["pair"] == ["baseline_continuous", "candidate_continuous"] and 1 <= len(capacity["sweeps"]) <= 3
     assert all(len(r[x]["points"]) >= 2 for r in capacity["sweeps"] for x in capacity["pair"])
     report = json.loads((out / "report.json").read_text())
     gate = next(g for g in report["gates"] if g["name"] == "throughput.capacity_ratio")
-    assert gate["verdict"] in ("PASS", "FAIL", "INCONCLUSIVE", "NO EVIDENCE")
+    # 8-request probes on a shared machine: a round can find no capacity for a server (every rate it tried
+    # saturated); the rounds then stop and the gate says so instead of deciding
+    found = all(r[x]["capacity_estimate_rps"] for r in capacity["sweeps"] for x in capacity["pair"])
+    assert (len(capacity["sweeps"]) == 3) == found
+    assert gate["verdict"] in ("PASS", "FAIL", "INCONCLUSIVE") if found else \
+        (gate["verdict"] == "NO EVIDENCE" and "found no capacity" in gate["detail"])
     head = (out / "report.md").read_text().split("## Gates")[0]
     assert "p99 TTFT <= 150 ms" in head and "Capacity" in head
-    before = {k: v for k, v in report.items() if k != "provenance"}
     assert main([*args, "--rejudge"]) in (0, 1, 3)
-    again = json.loads((out / "report.json").read_text())
-    assert {k: v for k, v in again.items() if k != "provenance"} == before
+    again = json.loads((out / "report.json").read_text())  # judged again from bench.json's stored searches
+    assert (again["verdict"], again["gates"], again["reasons"]) == (report["verdict"], report["gates"],
+                                                                    report["reasons"])
 
 
 def test_inconclusive_gate_draws_more_items(run_dir, tiny_model_dir, tmp_path, capsys):
