@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..progress import status
-from .slo_sweep import RatePoint, RateSearch, SweepResult
+from .slo_sweep import RateSearch, SweepResult
 from .summary import SLO, TierSummary
 
 FIRST_STEP, LATER_STEP, LATER_START = 2.0, 1.3, 1 / 1.15
@@ -68,14 +68,8 @@ class CapacityRounds:
     def from_json(cls, d: dict[str, Any]) -> CapacityRounds:
         plan = CapacityPlan(SLO(**d["slo"]), int(d["rounds"]), int(d["requests_per_probe"]),
                             float(d["precision"]), int(d["max_probes"]))
-        rounds = [{label: sweep_from_json(s) for label, s in r.items()} for r in d["sweeps"]]
+        rounds = [{label: SweepResult.from_json(s) for label, s in r.items()} for r in d["sweeps"]]
         return cls(plan, (d["pair"][0], d["pair"][1]), rounds)
-
-
-def sweep_from_json(d: dict[str, Any]) -> SweepResult:
-    points = [RatePoint(float(p["rate"]), TierSummary.from_json(p["summary"]), p["status"]) for p in d["points"]]
-    return SweepResult(SLO(**d["slo"]), points, d.get("capacity_rps"), d.get("first_failing_rps"),
-                       d.get("capacity_estimate_rps"))
 
 
 def _next_start(result: SweepResult, start: float) -> float:

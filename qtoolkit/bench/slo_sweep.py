@@ -83,6 +83,12 @@ class SweepResult:
                 "capacity_estimate_rps": self.estimate, "saturated_rps": self.saturated_rates,
                 "points": [p.to_json() for p in self.points]}
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SweepResult:
+        points = [RatePoint(float(p["rate"]), TierSummary.from_json(p["summary"]), p["status"]) for p in d["points"]]
+        return cls(SLO(**d["slo"]), points, d.get("capacity_rps"), d.get("first_failing_rps"),
+                   d.get("capacity_estimate_rps"))
+
 
 def classify(summary: TierSummary, slo: SLO) -> str:
     if summary.saturation is not None and summary.saturation.saturated:
