@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -53,6 +54,7 @@ class Load:
     num_prompts: int
     output_tokens: int
     seed: int
+    guidellm_workers: int = 1
 
 
 @dataclass
@@ -86,9 +88,10 @@ class TierAgreement:
                    {c: [Reading(**r) for r in rs] for c, rs in d["rounds"].items()})
 
 
-def run_cli(cmd: list[str], what: str, timeout_s: float = 3600) -> None:
+def run_cli(cmd: list[str], what: str, timeout_s: float = 3600, env: dict[str, str] | None = None) -> None:
     """A client's command line; its failure is one error line ending in its own last line."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                          env=None if env is None else os.environ | env)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         raise QToolError(f"{what} failed (exit {proc.returncode}): {tail[0][:300]}")
@@ -129,8 +132,13 @@ def guidellm_reading(exe: Path, load: Load, c: int, out: Path) -> Reading:
         "profile": {"kind": "concurrent", "streams": c},
         "data": [{"kind": "json_file", "path": str(load.guidellm_prompts)}],
         "constraints": [{"kind": "max_requests", "count": load.num_prompts}]}}))
+    # GuideLLM sends from worker processes, one per stream up to 10 by default, each polling its queues: on the
+    # 2-core machine that the server also runs on, four of them at c=4 took CPU from the server being measured
+    # (its inter-token latency read 1.12-1.28x qtool's, measurements/2026-12-04/issue40b/); one worker process
+    # carries every stream of a tier as the other two clients' single asyncio loops do
     run_cli([str(exe), "run", "--scenario", str(scenario), "--output", f"kind=json,path={out}",
-             "--disable-console-interactive"], "guidellm run")
+             "--disable-console-interactive"], "guidellm run",
+            env={"GUIDELLM__MAX_WORKER_PROCESSES": str(load.guidellm_workers)})
     m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
     return Reading(m["time_to_first_token_ms"]["successful"]["median"],
                    m["inter_token_latency_ms"]["successful"]["median"])
@@ -148,7 +156,7 @@ def write_prompts(folder: Path, n: int, output_tokens: int) -> tuple[Path, Path]
 
 
 def measure(model: str, concurrency: list[int], *, num_prompts: int, output_tokens: int, rounds: int, seed: int,
-            vllm_python: Path | None, guidellm: Path | None) -> list[TierAgreement]:
+            vllm_python: Path | None, guidellm: Path | None, guidellm_workers: int = 1) -> list[TierAgreement]:
     """Rounds of every client at every tier; a client whose path is None is left out."""
     source = resolve_model(model)
     clients = tuple(c for c, there in zip(CLIENTS, (True, vllm_python, guidellm), strict=True) if there)
@@ -159,7 +167,8 @@ def measure(model: str, concurrency: list[int], *, num_prompts: int, output_toke
         work = Path(tmp)
         prompts, gprompts = write_prompts(work, num_prompts, output_tokens)
         served = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        load = Load(url, served, str(source.path), prompts, gprompts, num_prompts, output_tokens, seed)
+        load = Load(url, served, str(source.path), prompts, gprompts, num_prompts, output_tokens, seed,
+                    guidellm_workers)
         readers = {"qtool": lambda c, o: qtool_reading(load, c, o),
                    "vllm": lambda c, o: vllm_reading(vllm_python, load, c, o),
                    "guidellm": lambda c, o: guidellm_reading(guidellm, load, c, o)}
@@ -190,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--guidellm", type=Path, default=Path(".venv-guidellm/bin/guidellm"),
                    help="GuideLLM's executable (python -m venv .venv-guidellm && .venv-guidellm/bin/pip install "
                         "guidellm==0.8.1)")
+    p.add_argument("--guidellm-workers", type=int, default=1, help="GuideLLM's worker processes "
+                   "(GUIDELLM__MAX_WORKER_PROCESSES; its own default is one per stream up to 10)")
     p.add_argument("--rejudge", action="store_true", help="judge the rounds already in --output again, measuring "
                    "nothing")
     a = p.parse_args(argv)
@@ -200,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             concurrency = [int(x) for x in a.concurrency.split(",")]
         except ValueError:
             raise ValueError(f"--concurrency {a.concurrency}: give comma-separated integers, e.g. 1,4") from None
-        if min(concurrency) < 1 or a.num_prompts < 1 or a.output_tokens < 2 or a.rounds < 1:
-            raise ValueError("--concurrency, --num-prompts and --rounds must be >= 1, --output-tokens >= 2")
+        if min(concurrency) < 1 or a.num_prompts < 1 or a.output_tokens < 2 or a.rounds < 1 \
+                or a.guidellm_workers < 1:
+            raise ValueError("--concurrency, --num-prompts, --rounds and --guidellm-workers must be >= 1, "
+                             "--output-tokens >= 2")
         clients = a.clients.split(",")
         if clients[0] != "qtool" or len(clients) < 2 or not set(clients) <= set(CLIENTS):
             raise ValueError(f"--clients {a.clients}: qtool first, then one or more of vllm, guidellm")
@@ -216,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         vllm_python = ensure_env(a.vllm_env).python if "vllm" in clients else None
         tiers = measure(a.model, concurrency, num_prompts=a.num_prompts, output_tokens=a.output_tokens,
                         rounds=a.rounds, seed=a.seed, vllm_python=vllm_python,
-                        guidellm=a.guidellm.absolute() if "guidellm" in clients else None)
+                        guidellm=a.guidellm.absolute() if "guidellm" in clients else None,
+                        guidellm_workers=a.guidellm_workers)
     except (QToolError, subprocess.TimeoutExpired, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
