@@ -15,7 +15,7 @@ probes each instead of the first round's five or six.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..progress import status
@@ -23,6 +23,7 @@ from .slo_sweep import RateSearch, SweepResult
 from .summary import SLO, TierSummary
 
 FIRST_STEP, LATER_STEP, LATER_START = 2.0, 1.3, 1 / 1.15
+LOOK_STEP = 2  # rounds added per further look, as the other speed gates add them
 # a probe lasts requests / rate, so halving without end costs minutes a probe: a server that misses the SLO at an
 # eighth of its start (half its closed-loop requests/s at the top tier) has no capacity worth gating, and the
 # search stops there (the gate then says so instead of deciding)
@@ -41,11 +42,22 @@ class CapacityPlan:
     requests_per_probe: int = 16
     precision: float = 1.35  # the margin is interpolated inside the bracket, so a coarse one suffices
     max_probes: int = 8
+    max_rounds: int | None = None  # rounds added LOOK_STEP at a time while `decided` says no, up to this
+    # the caller's (the sign-off's) judgement of the rounds so far; not part of what is measured
+    decided: Callable[[CapacityRounds], bool] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def looks(self) -> tuple[int, ...]:
+        """The round counts at which the gate is judged: rounds, rounds + 2, ... up to max_rounds."""
+        looks = [self.rounds]
+        while self.max_rounds is not None and looks[-1] < self.max_rounds:
+            looks.append(min(looks[-1] + LOOK_STEP, self.max_rounds))
+        return tuple(looks)
 
     def to_json(self) -> dict[str, Any]:
         return {"slo": {k: v for k, v in vars(self.slo).items() if v is not None}, "rounds": self.rounds,
                 "requests_per_probe": self.requests_per_probe, "precision": self.precision,
-                "max_probes": self.max_probes}
+                "max_probes": self.max_probes} | ({} if self.max_rounds is None else {"max_rounds": self.max_rounds})
 
 
 @dataclass(frozen=True)
@@ -67,7 +79,7 @@ class CapacityRounds:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> CapacityRounds:
         plan = CapacityPlan(SLO(**d["slo"]), int(d["rounds"]), int(d["requests_per_probe"]),
-                            float(d["precision"]), int(d["max_probes"]))
+                            float(d["precision"]), int(d["max_probes"]), d.get("max_rounds"))
         rounds = [{label: SweepResult.from_json(s) for label, s in r.items()} for r in d["sweeps"]]
         return cls(plan, (d["pair"][0], d["pair"][1]), rounds)
 
@@ -80,11 +92,16 @@ def _next_start(result: SweepResult, start: float) -> float:
 
 def paired_capacity(probe: PairProbe, pair: tuple[str, str], plan: CapacityPlan,
                     starts: dict[str, float]) -> CapacityRounds:
-    """`plan.rounds` rounds (fewer when a round finds no capacity for a server); in each, the two systems'
-    searches take turns probe by probe, the first to probe alternating between rounds."""
+    """`plan.rounds` rounds, then more up to each further look while `plan.decided` says the gate is not
+    decided (fewer when a round finds no capacity for a server); in each, the two systems' searches take turns
+    probe by probe, the first to probe alternating between rounds."""
     rounds: list[dict[str, SweepResult]] = []
     k = 0
-    for r in range(plan.rounds):
+    looks = plan.looks
+    for r in range(looks[-1]):
+        if r in looks[:-1] and (plan.decided is None or plan.decided(CapacityRounds(plan, pair, rounds))):
+            break  # a look: decided (or nobody to ask), so no more rounds
+        status_total = next(n for n in looks if n > r)
         later = r > 0
         searches = {label: RateSearch(plan.slo, starts[label], plan.precision, plan.max_probes,
                                       step=LATER_STEP if later else FIRST_STEP,
@@ -95,7 +112,7 @@ def paired_capacity(probe: PairProbe, pair: tuple[str, str], plan: CapacityPlan,
             if not turn:
                 break
             for label, rate in turn:
-                status(f"capacity round {r + 1}/{plan.rounds}: {label} at {rate:.3g} requests/s "
+                status(f"capacity round {r + 1}/{status_total}: {label} at {rate:.3g} requests/s "
                        f"({plan.slo.describe()})")
                 searches[label].record(rate, probe(label, rate, k))
                 k += 1

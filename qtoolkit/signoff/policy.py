@@ -118,8 +118,18 @@ class CapacityGate(BaseModel):
     slo: SLOBounds
     min_ratio: float = Field(gt=0, allow_inf_nan=False)
     rounds: int = Field(default=3, ge=2, le=20)  # paired searches; two at least, or there is no interval
+    # while the gate is undecided, two rounds more at a time up to max_rounds (the error spent over the looks as
+    # the other speed gates spend it); None: the first `rounds` only
+    max_rounds: int | None = Field(default=None, ge=2, le=20)
     requests_per_probe: int = Field(default=16, ge=4, le=1024)
     required: bool = True  # False: the gate is shown and can FAIL, but its INCONCLUSIVE holds no verdict
+
+    @model_validator(mode="after")
+    def _budget_covers_first_look(self) -> CapacityGate:
+        if self.max_rounds is not None and self.max_rounds < self.rounds:
+            raise ValueError(f"max_rounds {self.max_rounds} is below rounds {self.rounds}: set it to at least "
+                             "rounds (or leave it out for a fixed design)")
+        return self
 
 
 class ThroughputGates(BaseModel):

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..bench.ablation import AblationBench
+from ..bench.ablation import AblationBench, SpeedLooks
 from ..bench.capacity import CapacityPlan, CapacityRounds
 from ..bench.loop import TierRecord
 from ..evals.stats.paired import ratio_over_rounds
@@ -127,17 +127,61 @@ def bench_level(bench: AblationBench, alpha: float | None = None) -> tuple[float
     return design.level_at(rounds), rounds
 
 
-def capacity_ratio(capacity: CapacityRounds, level: float) -> SpeedRatio:
-    """candidate / baseline capacity at the SLO over the paired search's rounds, at `level` (a fixed design: the
-    rounds are not extended while undecided)."""
+# the share of the speed gates' error the capacity gate spends: a search's estimate is heavy-tailed when a
+# server's p99 moves by half from probe to probe, and the t-interval on 5 rounds then undercovers (simulated false
+# PASS 5.8% at the bound spending 5%; at 3%, 4.2%: measurements/2026-12-05/issue40d/capacity-gate-false-pass.json),
+# as the quality gates spend 3% for their KLD intervals
+CAPACITY_SPEND = 0.6
+
+
+def capacity_ratio(capacity: CapacityRounds, alpha: float = ALPHA) -> SpeedRatio:
+    """candidate / baseline capacity at the SLO over the paired search's rounds, at the level of the look the
+    rounds stopped at (CAPACITY_SPEND x `alpha` spent over the plan's looks)."""
     base, cand = capacity.pair
+    level = speed_design(capacity.plan.looks, CAPACITY_SPEND * alpha).level_at(len(capacity.rounds))
     return SpeedRatio.over_rounds(CAPACITY, 0, capacity.estimates(base), capacity.estimates(cand), level)
+
+
+def capacity_decided(capacity: CapacityRounds, policy: Policy) -> bool:
+    """Whether more rounds could not change the capacity gate: it PASSes or FAILs, or has no evidence."""
+    fig = capacity_ratio(capacity)
+    return fig.ratio is None or _judge_speed(fig, policy).verdict in (verdicts.PASS, verdicts.FAIL)
 
 
 def capacity_plan(policy: Policy) -> CapacityPlan | None:
     """What the bench measures for the capacity gate, when the policy sets one."""
     c = policy.throughput.capacity
-    return None if c is None else CapacityPlan(c.slo.slo(), c.rounds, c.requests_per_probe)
+    return None if c is None else CapacityPlan(c.slo.slo(), c.rounds, c.requests_per_probe,
+                                               max_rounds=c.max_rounds,
+                                               decided=lambda rounds: capacity_decided(rounds, policy))
+
+
+@dataclass(frozen=True)
+class SpeedPlan:
+    """What the bench measures for the speed and capacity gates, local or deployment: the speed gates' looks (rounds
+    at every tier, more while undecided), the capacity searches, and the part of the policy that decides how much
+    is measured (the bench step's reuse key)."""
+
+    speed: SpeedLooks | None
+    capacity: CapacityPlan | None
+    inputs: dict[str, Any]
+
+    @classmethod
+    def of(cls, policy: Policy, rounds: int, max_rounds: int | None) -> SpeedPlan:
+        throughput = policy.throughput
+        speed, inputs = None, {}
+        if throughput.min_decode_speedup is not None or throughput.prefill_margin is not None:
+            looks = round_looks(rounds, max_rounds)
+            speed = SpeedLooks(looks, lambda bench: not undecided(bench, policy))
+            # how many rounds get measured depends on the speed bounds
+            inputs |= {"speed_looks": list(looks), "speed_bounds": throughput.model_dump(
+                include={"min_decode_speedup", "prefill_margin", "tiers"})}
+        if (capacity := throughput.capacity) is not None:
+            # what the searches measure: `required` only judges them, and so does the bound unless it decides how
+            # many rounds are measured (max_rounds)
+            judged_only = {"required"} | ({"min_ratio", "max_rounds"} if capacity.max_rounds is None else set())
+            inputs["capacity"] = capacity.model_dump(exclude=judged_only)
+        return cls(speed, capacity_plan(policy), inputs)
 
 
 def speed_ratios(bench: AblationBench | None, policy: Policy, alpha: float | None = None) -> list[SpeedRatio]:
@@ -157,9 +201,9 @@ def speed_ratios(bench: AblationBench | None, policy: Policy, alpha: float | Non
             out.append(SpeedRatio(kind, c, None, None, 0, level) if tier is None or len(pair) != 2
                        else SpeedRatio.of(kind, tier, (pair[0], pair[1]), level))
     if policy.throughput.capacity is not None:
-        level = bench.level if alpha is None else 1 - alpha  # one look: the whole error (a sweep's share)
-        out.append(capacity_ratio(bench.capacity, level) if bench.capacity is not None
-                   else SpeedRatio(CAPACITY, 0, None, None, 0, level))
+        spend = 1 - bench.level if alpha is None else alpha  # the whole error (a sweep's share) over its looks
+        out.append(capacity_ratio(bench.capacity, spend) if bench.capacity is not None
+                   else SpeedRatio(CAPACITY, 0, None, None, 0, 1 - spend))
     return out
 
 
@@ -197,7 +241,7 @@ def _judge_speed(fig: SpeedRatio, policy: Policy) -> verdicts.Judgement:
 
 def undecided(bench: AblationBench, policy: Policy) -> bool:
     """Whether another look could change a speed gate: some gate INCONCLUSIVE and none FAILed."""
-    # the capacity gate's rounds are a fixed design measured after these, never extended by them
+    # the capacity gate's rounds are measured after these, and extended by their own looks (capacity_decided)
     js = [judge_speed(f, policy).verdict for f in speed_ratios(bench, policy) if f.kind != CAPACITY]
     return verdicts.FAIL not in js and any(v == verdicts.INCONCLUSIVE for v in js)
 
