@@ -69,7 +69,8 @@ def run(endpoints, int4_dir, tiny_model_dir, tmp_path_factory):
     with env(**ROLE_ENV):
         code = main(["signoff", "--candidate-endpoint", endpoints["candidate"], "--baseline-endpoint",
                      endpoints["baseline"], "--model", str(int4_dir), "--baseline", str(tiny_model_dir),
-                     "--limit", "2", "--max-items", "2", *LOAD, "--rounds", "2", "--output", str(out)])
+                     "--limit", "2", "--max-items", "2", *LOAD, "--rounds", "2", "--max-rounds", "4",
+                     "--output", str(out)])
     return code, out, json.loads((out / "report.json").read_text())
 
 
@@ -93,12 +94,22 @@ def test_signoff_decides_names_the_endpoints_and_lists_what_it_cannot_measure(ru
     measured = ["code.pass_at_1_drop", "summarization.rougeL_drop",
                 "memory.max_linear_ratio_vs_bf16", "code.nll_delta", "summarization.nll_delta"]  # NLL: echo + logprobs
     assert all(gates[n]["state"] is None and gates[n]["point"] is not None for n in measured)
+    # the default policy's speed gates (TPOT, TTFT ratios of signoff/speed.py) read the two endpoints' paired
+    # rounds at every tier (2, then 4 while undecided), and its capacity gate their paired searches at its SLO
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["speed_rounds"]["pair"] == ["baseline", "candidate"] and bench["speed_rounds"]["rounds"] in (2, 4)
     rounds = report["deployment_bench"]["tiers"][-1]["total_speedup_rounds"]
-    assert rounds["rounds"] == 2 and rounds["ci95"] is not None
-    # the default policy's speed gates (TPOT, TTFT ratios of signoff/speed.py) read the local bench's paired rounds;
-    # a deployment bench does not feed them yet: no evidence, never a PASS
-    for name in ("throughput.decode_tpot_ratio", "throughput.prefill_ttft_ratio"):
-        assert gates[name]["verdict"] == "NO EVIDENCE" and not gates[name]["passed"]
+    assert rounds["rounds"] == bench["speed_rounds"]["rounds"] and rounds["ci95"] is not None
+    for tier in bench["tiers"]:
+        assert all(len(tier["rounds_tpot"][role]) == bench["speed_rounds"]["rounds"] for role in ("baseline", "candidate"))
+    for c in (1, 2):
+        for kind in ("decode_tpot_ratio", "prefill_ttft_ratio"):
+            g = gates[f"throughput.{kind}@c{c}"]
+            assert g["point"] is not None and g["verdict"] in ("PASS", "FAIL", "INCONCLUSIVE"), g
+    capacity = gates["throughput.capacity_ratio"]
+    searched = bench["capacity"]["estimates_rps"]
+    assert set(searched) == {"baseline", "candidate"} and len(searched["baseline"]) >= 3
+    assert capacity["verdict"] in ("PASS", "FAIL", "INCONCLUSIVE", "NO EVIDENCE") and not capacity["required"]
     assert report["ablation"] is None and report["diagnose"] is None  # never filled in from the local engine
     assert {x["key"] for x in report["not_measurable"]} >= {"ablation", "kld", "speculative_engine", "diagnose"}
     md = (out / "report.md").read_text()

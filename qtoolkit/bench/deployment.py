@@ -15,9 +15,13 @@ from typing import Any
 from qtoolkit.evals.stats.paired import CONFIDENCE, ratio_over_rounds
 
 from ..endpoints.deployment import Deployment, EndpointError, EndpointInfo
+from ..progress import status
 from ..provenance import provenance
+from .ablation import AblationBench, SpeedLooks, SpeedRounds
+from .capacity import CapacityPlan, CapacityRounds, paired_capacity
 from .load_client import requests_sha256, run_load, summarize, warm_up
-from .loop import TierLoop, TierRecord
+from .loop import Tier, TierLoop, TierRecord, fresh_requests
+from .summary import TierSummary
 from .types import BenchRequest, Workload
 from .workloads import as_workload
 
@@ -41,8 +45,12 @@ def _measure(dep: Deployment, info: EndpointInfo, reqs: list[Any], concurrency: 
 def bench_deployments(deps: dict[str, Deployment], infos: dict[str, EndpointInfo], *, concurrency: list[int],
                       num_requests: int | None = None, mean_output_tokens: int = 64, max_output_tokens: int = 128,
                       workload: str | Workload = "mixed", seed: int = 0, rounds: int = 1,
-                      ignore_eos: bool = True) -> dict[str, Any]:
-    """Both endpoints on the same requests, tier by tier, then `rounds` rounds at the top tier."""
+                      ignore_eos: bool = True, speed: SpeedLooks | None = None,
+                      capacity: CapacityPlan | None = None) -> dict[str, Any]:
+    """Both endpoints on the same requests, tier by tier, then `rounds` rounds at the top tier; with `speed` (the
+    sign-off's speed gates) the rounds are served at every tier and more are added while the gates are undecided,
+    and with `capacity` the two endpoints' paired searches for the highest request rate within the SLO follow, as
+    in the local sign-off's bench (bench/ablation.py): the same figures, of the deployments that ship."""
     for role in ROLES:  # first requests pay one-off costs (the same warm-up as `qtool bench serve`)
         warm_up(infos[role].url, infos[role].model_id, seed=seed, ignore_eos=ignore_eos, api_key=deps[role].api_key())
 
@@ -50,17 +58,56 @@ def bench_deployments(deps: dict[str, Deployment], infos: dict[str, EndpointInfo
         return _measure(deps[role], infos[role], reqs, c, s, ignore_eos)
 
     traffic = as_workload(workload)
-    loop = TierLoop(list(ROLES), measure, traffic, seed, mean_output_tokens, max_output_tokens, rounds)
+    loop = TierLoop(list(ROLES), measure, traffic, seed, mean_output_tokens, max_output_tokens, rounds,
+                    every_tier=speed is not None)
     tiers = loop.plan(concurrency, num_requests)
     loop.run(tiers)
+    looks = None if speed is None else _speed_rounds(speed, loop, tiers, rounds)
+    searched = None if capacity is None else _capacity(deps, infos, loop, tiers, capacity, ignore_eos)
+    config = {"concurrency": concurrency, "num_requests": num_requests, "workload": traffic.describe(),
+              "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens, "seed": seed,
+              "rounds": rounds, "ignore_eos": ignore_eos, "api": "completions", "systems": list(ROLES)}
     return {**provenance(candidate=infos["candidate"].url, baseline=infos["baseline"].url,
                          workload_sha256=requests_sha256(loop.requests),
                          rounds_workload_sha256=requests_sha256(loop.round_requests)),
-            "config": {"concurrency": concurrency, "num_requests": num_requests, "workload": traffic.describe(),
-                       "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens,
-                       "seed": seed, "rounds": rounds, "ignore_eos": ignore_eos, "api": "completions"},
-            "endpoints": {r: asdict(infos[r]) for r in ROLES},
-            "tiers": [t.to_json() for t in tiers]}
+            "config": config, "endpoints": {r: asdict(infos[r]) for r in ROLES},
+            "tiers": [t.to_json() for t in tiers]} | \
+        ({} if looks is None else {"speed_rounds": looks.to_json()}) | \
+        ({} if searched is None else {"capacity": searched.to_json()})
+
+
+def _speed_rounds(speed: SpeedLooks, loop: TierLoop, tiers: list[Tier], rounds: int) -> SpeedRounds:
+    """Rounds of both endpoints at every tier until the speed gates decide or the last look is served."""
+    measured = rounds
+    for target in speed.looks[1:]:
+        so_far = SpeedRounds(list(ROLES), list(speed.looks), measured)
+        if speed.decided(AblationBench([TierRecord.from_json(t.to_json()) for t in tiers], list(ROLES), rounds,
+                                       so_far)):
+            break
+        status(f"speed gates undecided after {measured} rounds: {target} rounds of both endpoints")
+        loop.more_rounds(tiers, list(ROLES), target)
+        measured = target
+    return SpeedRounds(list(ROLES), list(speed.looks), measured)
+
+
+def _capacity(deps: dict[str, Deployment], infos: dict[str, EndpointInfo], loop: TierLoop, tiers: list[Tier],
+              plan: CapacityPlan, ignore_eos: bool) -> CapacityRounds:
+    """The two endpoints' paired capacity searches, each starting at half its closed-loop requests/s at the top
+    tier, every probe on requests no tier or round had (a server's prefix cache would serve a repeated prompt)."""
+
+    def probe(role: str, rate: float, k: int) -> TierSummary:
+        reqs = fresh_requests(loop.workload, plan.requests_per_probe, loop.requests + loop.round_requests,
+                              seed=loop.seed + 5000 + k, mean_output_tokens=loop.mean_output_tokens,
+                              max_output_tokens=loop.max_output_tokens)
+        loop.round_requests.extend(reqs)
+        res, duration = asyncio.run(run_load(infos[role].url, infos[role].model_id, reqs, concurrency=len(reqs),
+                                             rate=rate, seed=loop.seed + k, ignore_eos=ignore_eos,
+                                             api_key=deps[role].api_key()))
+        return TierSummary.of(res, duration, slo=plan.slo, rate=rate)
+
+    top = TierRecord.from_json(tiers[-1].to_json())
+    starts = {role: 0.5 * (top.requests_per_s(role) or 1.0) for role in ROLES}
+    return paired_capacity(probe, ("baseline", "candidate"), plan, starts)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any
 from qtoolkit.evals.runner import EvalConfig, evaluate
 from qtoolkit.evals.stats.paired import Level
 
+from ..bench.ablation import AblationBench
 from ..bench.deployment import ThroughputTable, bench_deployments, throughput_table
 from ..endpoints.deployment import Deployment, EndpointInfo, endpoint, probe
 from ..endpoints.identity import EndpointIdentity, fingerprint, settle
@@ -33,8 +34,9 @@ from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
 from .sequential import eval_step
+from .speed import SpeedPlan
 from .steps import SignoffConfig, StepRunner, load_output
-from .verdict import DeploymentSection, Evidence, NotMeasurable, decide
+from .verdict import DeploymentSection, Evidence, NotMeasurable, SpeedSection, decide
 
 STEPS = ("checkpoint", "eval", "bench")
 QUALITY_TASKS = ("code", "summarization")  # built-in tasks whose figures an endpoint may not give
@@ -116,8 +118,10 @@ def signoff_deployments(cfg: SignoffConfig) -> dict[str, Any]:
     bench_kw = {"concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
                 "mean_output_tokens": cfg.mean_output_tokens, "max_output_tokens": 2 * cfg.mean_output_tokens,
                 "seed": cfg.seed, "rounds": cfg.rounds}
-    results["bench"] = steps.run("bench", {"served": served, **bench_kw}, out / "bench.json",
-                                 lambda: write_json(out / "bench.json", bench_deployments(deps, infos, **bench_kw)))
+    plan = SpeedPlan.of(policy, cfg.rounds, cfg.max_rounds)  # the speed gates' rounds and capacity searches
+    results["bench"] = steps.run("bench", {"served": served, **bench_kw, **plan.inputs}, out / "bench.json",
+                                 lambda: write_json(out / "bench.json", bench_deployments(
+                                     deps, infos, **bench_kw, speed=plan.speed, capacity=plan.capacity)))
     try:
         return _decide_and_write(cfg, policy, infos, results, quant)
     finally:
@@ -163,11 +167,13 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
 
 
 def judge_deployment(cfg: SignoffConfig, policy: Policy, evals: EvalResults | None, table: ThroughputTable | None,
-           quant: QuantizeReport | None) -> tuple[list[Gate], list[NotMeasurable]]:
+                     quant: QuantizeReport | None, bench: AblationBench | None = None,
+                     ) -> tuple[list[Gate], list[NotMeasurable]]:
     """The gates, those the endpoints cannot give marked `not measurable` (INCONCLUSIVE, never passed), and
     what the report lists as not measurable: the engine-only figures, the figures the endpoints could not score,
-    and the gates marked outside the quality tasks (whose reasons the scores already give)."""
-    gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, table, quant)
+    and the gates marked outside the quality tasks (whose reasons the scores already give). `bench` (the two
+    endpoints' tiers, rounds and capacity searches) feeds the speed gates."""
+    gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, table, quant, bench)
     items = [NotMeasurable(k, what, why) for k, what, why in ALWAYS_NOT_MEASURABLE]
     for task, result in (evals.tasks if evals else {}).items():
         for nc in [] if result.summary is None else result.summary.not_computed:
@@ -189,8 +195,10 @@ def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, Endpo
     evals = EvalResults.load(out / "eval.json") if steps["eval"].get("status") == "ok" else None
     bench = load_output(out / "bench.json") if steps["bench"].get("status") == "ok" else None
     table = throughput_table(bench) if bench else None
-    gates, not_measurable = judge_deployment(cfg, policy, evals, table, quant)
+    speed_bench = AblationBench.from_json(bench) if bench else None
+    gates, not_measurable = judge_deployment(cfg, policy, evals, table, quant, speed_bench)
     evidence = Evidence(steps, gates, evals, load_output(out / "sequential.json"), quant.summary if quant else None)
+    evidence.speed = SpeedSection.of(speed_bench, policy)  # the report's first lines
     deployment = DeploymentSection({r: asdict(i) for r, i in infos.items()}, table, not_measurable)
     # the recipe the served checkpoint was made with, as its quantize_report.json says
     config = {**asdict(cfg), "recipe": cfg.recipe or (quant.recipe.name if quant else None)}

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bench.ablation import BASE_SYSTEMS, SpeedLooks, bench_ablation
+from ..bench.ablation import BASE_SYSTEMS, bench_ablation
 from ..bench.kv_layer import UNQUANTIZED, bench_kv_layer, resolve_kv_dtype
 from ..diagnose.run import diagnose
 from ..draft.format import check_fits, read_head_config
@@ -38,7 +38,7 @@ from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
 from .sequential import describe_design, eval_step, planned_items
-from .speed import capacity_plan, round_looks, speed_ratios, undecided
+from .speed import SpeedPlan
 from .steps import STEPS, SignoffConfig, StepRunner, load_output
 from .verdict import Evidence, SpeedSection, decide
 
@@ -199,23 +199,17 @@ class SignoffRun:
         repeat = None if speed else \
             ("baseline_static", "full_stack") + (("candidate_static",) if quantization_gate else ())
         engine = EngineConfig(speculative=cfg.speculative, kv_cache_dtype=self.kv)
-        looks = round_looks(cfg.rounds, cfg.max_rounds)
+        plan = SpeedPlan.of(policy, cfg.rounds, cfg.max_rounds)
         kwargs = {"concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
                   "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed, "rounds": cfg.rounds,
                   "repeat": repeat, "workload": custom_signoff.bench_workload(cfg.data, self.out / "eval.json"),
-                  "speed": SpeedLooks(looks, lambda bench: not undecided(bench, policy)) if speed else None,
-                  "capacity": capacity_plan(policy)}
+                  "speed": plan.speed, "capacity": plan.capacity}
         inputs = {"candidate": self.cand_key, "baseline": self.source.sha256, "systems": [s.label for s in BASE_SYSTEMS],
                   "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
                   "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed, "speculative": cfg.speculative,
                   "rounds": cfg.rounds, "quantization_gate": quantization_gate, **({"data": data} if data else {}),
                   **({"kv_cache_dtype": self.kv} if self.kv != UNQUANTIZED else {})}
-        if speed:  # how many rounds get measured depends on the speed bounds
-            inputs |= {"speed_looks": list(looks), "speed_bounds": policy.throughput.model_dump(
-                include={"min_decode_speedup", "prefill_margin", "tiers"})}
-        if policy.throughput.capacity is not None:  # what the searches measure (the bound and `required` only judge them)
-            inputs |= {"capacity": policy.throughput.capacity.model_dump(exclude={"min_ratio", "required"})}
-        return inputs, engine, kwargs
+        return inputs | plan.inputs, engine, kwargs
 
     def bench_done(self) -> bool:
         """Whether an earlier run with the same inputs finished the bench step (a rerun reuses it)."""
@@ -294,9 +288,7 @@ def decide_and_write(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any],
     evidence = Evidence.load(out, {n: results.get(n, {}) for n in STEPS}, evals=evals, sequential=sequential,
                              quant=quant.summary if quant else None)
     bench = evidence.bench
-    if bench is not None and bench.speed_rounds is not None:  # the report's first lines
-        evidence.speed = SpeedSection(list(bench.speed_rounds.pair), speed_ratios(bench, policy),
-                                      bench.capacity.plan.slo.describe() if bench.capacity else None)
+    evidence.speed = SpeedSection.of(bench, policy)  # the report's first lines
     evidence.gates = evaluate_gates(custom_signoff.gate_policy(policy, evidence.evals, cfg.data), evidence.evals,
                                     evidence.ablation, evidence.quant, bench)
     report = decide(evidence, config=asdict(cfg), policy=policy, provenance=provenance(

@@ -16,7 +16,7 @@ from ..quantize.report import QuantizeSummary
 from . import verdicts
 from .judge import Gate
 from .policy import Policy
-from .speed import SpeedRatio
+from .speed import SpeedRatio, speed_ratios
 from .steps import load_output
 
 
@@ -56,6 +56,14 @@ class SpeedSection:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SpeedSection:
         return cls(list(d["pair"]), [SpeedRatio.from_json(f) for f in d["figures"]], d.get("slo"))
+
+    @classmethod
+    def of(cls, bench: AblationBench | None, policy: Policy) -> SpeedSection | None:
+        """The section of a bench with speed gates' rounds (local or deployment), None for one without."""
+        if bench is None or bench.speed_rounds is None:
+            return None
+        return cls(list(bench.speed_rounds.pair), speed_ratios(bench, policy),
+                   bench.capacity.plan.slo.describe() if bench.capacity else None)
 
 
 @dataclass(frozen=True)
