@@ -2,8 +2,8 @@
 
 One search is no interval: it probes closest to where the servers' p99s cross the SLO, so a probe's noise decides
 the bracket's ends, and a gate judged on the bracket alone passed a candidate whose capacity sat exactly on the
-bound in up to 20% of simulated sign-offs; over three rounds as below, at most 3.2%
-(measurements/2026-12-05/issue40c/capacity-gate-false-pass.json). So the sign-off repeats the search in
+bound in up to 36% of simulated sign-offs; over the rounds as below, at most 4.05%
+(measurements/2026-12-05/issue40d/capacity-gate-false-pass.json). So the sign-off repeats the search in
 rounds: each round runs both servers' searches probe by probe in turn (so a drift of the machine hits both), and
 each gives a continuous estimate (the margin interpolated between the bracket's ends); the capacity ratio and its
 interval come from the rounds as the other speed gates' do (Student's t on the per-round log ratios).
