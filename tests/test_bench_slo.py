@@ -53,6 +53,19 @@ def test_saturation_tells_a_queue_from_a_server_that_keeps_up():
     queued = [_result(i, 0.2 + i * (1.0 - 1 / rate), 0.01, sent=i / rate) for i in range(24)]
     sat = Saturation.of(queued, rate)
     assert sat.saturated and sat.achieved_rate < 0.85 * rate and sat.ttft_growth > 2
+    assert sat.ttft_trend_p is not None and sat.ttft_trend_p < 1e-6
+
+
+def test_mixed_prompt_lengths_that_happen_to_end_long_are_not_a_queue():
+    """A sign-off's 16-request probe of code (short prompts) and documents (long): the last third's median TTFT
+    is 5x the first third's by the draw of prompts alone, with no wait growing over the run."""
+    rate = 1.3
+    ttfts = [0.1, 0.5, 0.1, 0.1, 0.5, 0.1, 0.5, 0.1, 0.5, 0.1, 0.5, 0.5, 0.1, 0.5, 0.5, 0.1]
+    sat = Saturation.of([_result(i, t, 0.01, sent=i / rate) for i, t in enumerate(ttfts)], rate)
+    assert sat.ttft_growth == pytest.approx(5.0) and sat.ttft_trend_p > 0.05 and not sat.saturated
+    # the same sizes with a queue building under them: every later arrival waits longer
+    queued = [_result(i, t + 0.3 * i, 0.01, sent=i / rate) for i, t in enumerate(ttfts)]
+    assert Saturation.of(queued, rate).saturated
 
 
 def _fake_server(capacity: float):

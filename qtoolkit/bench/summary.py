@@ -11,6 +11,7 @@ not the server: a sweep reports such a rate as saturated instead of averaging it
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -21,9 +22,14 @@ from .types import RequestResult
 
 # an open-loop run is saturated when completions leave at under this share of the offered rate ...
 MIN_ACHIEVED_SHARE = 0.85
-# ... or when the median TTFT of the last third of arrivals is this many times the first third's (and 50 ms more)
+# ... or when the median TTFT of the last third of arrivals is this many times the first third's (and 50 ms more),
 MAX_TTFT_GROWTH = 2.0
 MIN_TTFT_GROWTH_S = 0.05
+# ... either one only with TTFT rising with the arrival order (Kendall's tau, one-sided p below this): a sign-off's
+# 16-request probe of mixed prompts (short code, long documents) met one of the two by chance alone at a third of
+# the server's capacity (measurements/2026-12-05/issue40d/README.md), while a queue that builds raises every later
+# arrival's wait, a trend no shuffle of request sizes gives
+MAX_TREND_P = 0.01
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,7 @@ class Saturation:
     achieved_rate: float | None
     ttft_growth: float | None  # median TTFT of the last third of arrivals / the first third's
     saturated: bool
+    ttft_trend_p: float | None = None  # Kendall's tau of TTFT on arrival order, one-sided p (older files: None)
 
     @classmethod
     def of(cls, results: list[RequestResult], rate: float) -> Saturation:
@@ -111,7 +118,7 @@ class Saturation:
         the waits of late arrivals must not grow: a queue that builds over the run is a server past capacity."""
         ok = sorted((r for r in results if r.ok), key=lambda r: r.sent_at)
         if len(ok) < 3:
-            return cls(rate, None, None, len(ok) < len(results))
+            return cls(rate, None, None, len(ok) < len(results), None)
         sent = [r.sent_at for r in sorted(results, key=lambda r: r.sent_at)]
         offered = (len(sent) - 1) / (sent[-1] - sent[0]) if sent[-1] > sent[0] else rate
         done = sorted(r.sent_at + r.latency for r in ok)
@@ -122,7 +129,19 @@ class Saturation:
         growth = last / first if first > 0 else None
         grew = growth is not None and growth > MAX_TTFT_GROWTH and last - first > MIN_TTFT_GROWTH_S
         slow = achieved is not None and achieved < MIN_ACHIEVED_SHARE * offered
-        return cls(offered, achieved, growth, grew or slow or len(ok) < len(results))
+        trend = _trend_p([float(r.ttft or 0.0) for r in ok])
+        rising = trend is not None and trend < MAX_TREND_P
+        return cls(offered, achieved, growth, (rising and (grew or slow)) or len(ok) < len(results), trend)
+
+
+def _trend_p(values: list[float]) -> float | None:
+    """One-sided p of Kendall's tau of `values` on their order (None when they do not vary)."""
+    from scipy.stats import kendalltau
+
+    if len(set(values)) < 2:
+        return None
+    p = float(kendalltau(range(len(values)), values, alternative="greater").pvalue)
+    return None if math.isnan(p) else p
 
 
 @dataclass(frozen=True)
