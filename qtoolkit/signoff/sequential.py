@@ -22,7 +22,7 @@ from ..io import write_json
 from .error_spending import ALPHA, Design, plan
 from .judge import Gate
 from .policy import Policy
-from .steps import StepRunner
+from .steps import StepOutcome, StepRunner
 
 Run = Callable[[int, bool, list[str] | None, Level], None]
 Judge = Callable[[], tuple[list[Gate], list[Gate]]]
@@ -66,7 +66,7 @@ def draw_until_decisive(run: Run, judge: Judge, limit: int, max_items: int | Non
 
 
 def eval_step(runner: StepRunner, out: Path, inputs: dict[str, Any], policy: Policy, limit: int,
-              max_items: int | None, run: Run, judge: Judge) -> dict[str, Any]:
+              max_items: int | None, run: Run, judge: Judge) -> StepOutcome:
     """The eval step of a local and of a deployment sign-off: `run` scores the items (eval.json, written per
     batch, so a rerun with the same inputs resumes its finished items), `judge` reads the quality gates after
     each look, and the looks go to sequential.json. How many items get drawn depends on the quality bounds when
