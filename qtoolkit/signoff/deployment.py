@@ -28,6 +28,7 @@ from ..progress import status
 from ..provenance import provenance
 from ..quantize.report import QuantizeReport
 from . import verdicts, workload
+from .error_spending import SequentialRecord
 from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
@@ -189,7 +190,8 @@ def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, Endpo
     bench = load_output(out / "bench.json") if steps["bench"].ok else None
     table = DeploymentBench.from_json(bench).table() if bench else None
     gates, not_measurable = judge_deployment(cfg, policy, evals, table, quant)
-    evidence = Evidence(steps, gates, evals, load_output(out / "sequential.json"), quant.summary if quant else None)
+    evidence = Evidence(steps, gates, evals, SequentialRecord.load(out / "sequential.json"),
+                        quant.summary if quant else None)
     deployment = DeploymentSection({r: asdict(i) for r, i in infos.items()}, table, not_measurable)
     # the recipe the served checkpoint was made with, as its quantize_report.json says
     config = {**asdict(cfg), "recipe": cfg.recipe or (quant.recipe.name if quant else None)}

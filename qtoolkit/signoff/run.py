@@ -33,13 +33,13 @@ from ..quantize.report import QuantizeReport
 from ..quantize.run import quantize
 from . import workload
 from .deployment import signoff_deployments
-from .error_spending import plan
+from .error_spending import SequentialRecord, plan
 from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
-from .sequential import describe_design, eval_step, planned_items
+from .sequential import eval_step, planned_items
 from .speed import capacity_plan, round_looks, speed_ratios, undecided
-from .steps import STEPS, SignoffConfig, StepOutcome, StepRunner, load_output
+from .steps import STEPS, SignoffConfig, StepOutcome, StepRunner
 from .verdict import Evidence, SpeedSection, decide
 
 __all__ = ["Gate", "SignoffConfig", "evaluate_gates", "signoff"]
@@ -261,14 +261,14 @@ def _rejudge(cfg: SignoffConfig, policy: Policy, out: Path) -> dict[str, Any]:
     ckpt_report = out / "checkpoint" / "quantize_report.json"
     quant = QuantizeReport.load(ckpt_report) if results["quantize"].ok else None
     recipe = quant.recipe.to_json() if quant else {"name": cfg.recipe, "sha256": None}
-    evals, sequential = None, load_output(out / "sequential.json")
+    evals, sequential = None, SequentialRecord.load(out / "sequential.json")
     if results["eval"].ok:
         _check_rejudge_data(EvalResults.load(out / "eval.json"), cfg.data)
         planned = planned_items(sequential) or [cfg.limit]
         design = plan(planned)
         evals = resummarize(out / "eval.json", design.level_at, len(design.items), cfg.task_options())
         if sequential is not None:
-            sequential = describe_design(sequential, design)
+            sequential = sequential.with_design(design)
     return decide_and_write(cfg, policy, recipe, {"spec": cfg.model}, out, results, quant, evals=evals,
                    sequential=sequential)
 
@@ -288,7 +288,7 @@ def _check_rejudge_data(evals: EvalResults, data: list[str]) -> None:
 
 def decide_and_write(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: dict[str, Any], out: Path,
                      results: dict[str, StepOutcome], quant: QuantizeReport | None, *,
-                     evals: EvalResults | None = None, sequential: dict[str, Any] | None = None) -> dict[str, Any]:
+                     evals: EvalResults | None = None, sequential: SequentialRecord | None = None) -> dict[str, Any]:
     """The evidence in `out` read once (Evidence.load), judged, decided, and written as report.{json,md,html}."""
     evidence = Evidence.load(out, {n: results.get(n) or StepOutcome(None) for n in STEPS}, evals=evals,
                              sequential=sequential,

@@ -14,6 +14,7 @@ from ..diagnose.result import DiagnoseResult
 from ..evals.results import EvalResults
 from ..quantize.report import QuantizeSummary
 from . import verdicts
+from .error_spending import SequentialRecord
 from .judge import Gate
 from .policy import Policy
 from .speed import SpeedRatio
@@ -81,7 +82,7 @@ class Evidence:
     steps: dict[str, StepOutcome]  # name -> its steps.json entry
     gates: list[Gate]
     evals: EvalResults | None = None
-    sequential: dict[str, Any] | None = None  # sequential.json: the looks of the eval step
+    sequential: SequentialRecord | None = None  # sequential.json: the looks of the eval step
     quant: QuantizeSummary | None = None  # what the report keeps of the candidate's quantize_report.json
     ablation: AblationTable | None = None
     diagnose: DiagnoseResult | None = None
@@ -91,7 +92,7 @@ class Evidence:
 
     @classmethod
     def load(cls, folder: Path, steps: dict[str, StepOutcome], *, evals: EvalResults | None = None,
-             sequential: dict[str, Any] | None = None, quant: QuantizeSummary | None = None) -> Evidence:
+             sequential: SequentialRecord | None = None, quant: QuantizeSummary | None = None) -> Evidence:
         """Each step's output in a local sign-off's `folder` (eval.json, sequential.json, bench.json,
         bench_kv.json, diagnose.json) read once, as its type; a step that did not finish has none. `evals`,
         `sequential` and `quant` when the caller holds them already (--rejudge rebuilds the summaries). The
@@ -105,7 +106,7 @@ class Evidence:
         bench = AblationBench.from_json(written) if written else None
         kv = load_output(folder / "bench_kv.json") if bench else None
         diagnosed = load_output(folder / "diagnose.json") if ok("diagnose") else None
-        return cls(steps, [], evals, sequential or load_output(folder / "sequential.json"), quant,
+        return cls(steps, [], evals, sequential or SequentialRecord.load(folder / "sequential.json"), quant,
                    None if bench is None else bench.table,
                    DiagnoseResult.from_json(diagnosed) if diagnosed else None,
                    KVLayerSection(KVLayerRow.from_json(kv["layer"]), kv["config"]) if kv else None, bench=bench)
