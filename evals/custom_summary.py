@@ -35,7 +35,8 @@ class AnswerSide:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> AnswerSide:
-        return cls(d["completion"], int(d["tokens"]), d.get("rougeL"), d.get("passed"))
+        """A record's side; only `tokens` is required (the bench replays the answers' lengths, not their text)."""
+        return cls(d.get("completion", ""), int(d["tokens"]), d.get("rougeL"), d.get("passed"))
 
 
 @dataclass(frozen=True)
