@@ -7,6 +7,7 @@ token statistics are listed under `not_computed` where a backend cannot score, e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,29 +23,81 @@ def _mean_kld(record: dict[str, Any]) -> float | None:
     return float(np.mean(kld)) if kld else None
 
 
-def item_regression(r: dict[str, Any]) -> dict[str, Any]:
-    """What changed on one item, from the candidate's side (positive = worse than the baseline)."""
-    c, b = r["candidate"], r["baseline"]
+@dataclass(frozen=True)
+class AnswerSide:
+    """One side's answer in a custom item's record (`candidate` / `baseline`): the text, its length in the answer's
+    own tokens, and its ROUGE-L / test result where the line has a reference / tests."""
+
+    completion: str
+    tokens: int
+    rougeL: float | None = None
+    passed: bool | None = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> AnswerSide:
+        """A record's side; only `tokens` is required (the bench replays the answers' lengths, not their text)."""
+        return cls(d.get("completion", ""), int(d["tokens"]), d.get("rougeL"), d.get("passed"))
+
+
+@dataclass(frozen=True)
+class ItemRegression:
+    """What changed on one item, from the candidate's side (positive = worse than the baseline): a summary's
+    `worst_items` entry."""
+
+    id: str
+    line: int
+    kind: str
+    prompt: str
+    pass_lost: bool | None  # None: the line has no tests
+    passed: tuple[bool | None, bool | None] | None  # (candidate, baseline); None: no tests
+    rougeL_drop: float | None
+    kld_mean: float | None
+    nll_delta: float | None
+    agree: bool
+    tokens: tuple[int, int]  # (candidate, baseline)
+    candidate: str  # the answers' first 200 characters
+    baseline: str
+
+    def to_json(self) -> dict[str, Any]:
+        passed = None if self.passed is None else {"candidate": self.passed[0], "baseline": self.passed[1]}
+        return {"id": self.id, "line": self.line, "kind": self.kind, "prompt": self.prompt,
+                "pass_lost": self.pass_lost, "passed": passed, "rougeL_drop": self.rougeL_drop,
+                "kld_mean": self.kld_mean, "nll_delta": self.nll_delta, "agree": self.agree,
+                "tokens": {"candidate": self.tokens[0], "baseline": self.tokens[1]},
+                "candidate": self.candidate, "baseline": self.baseline}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ItemRegression:
+        p = d.get("passed")
+        return cls(d["id"], d["line"], d["kind"], d["prompt"], d.get("pass_lost"),
+                   None if p is None else (p["candidate"], p["baseline"]), d.get("rougeL_drop"), d.get("kld_mean"),
+                   d.get("nll_delta"), bool(d.get("agree")), (d["tokens"]["candidate"], d["tokens"]["baseline"]),
+                   d["candidate"], d["baseline"])
+
+
+def item_regression(r: dict[str, Any]) -> ItemRegression:
+    """What changed on one item's record."""
+    c, b = AnswerSide.from_json(r["candidate"]), AnswerSide.from_json(r["baseline"])
     nll = (None if r["nll_answer_candidate"] is None
            else r["nll_answer_candidate"] - r["nll_answer_baseline"])
-    return {"id": r["id"], "line": r["line"], "kind": r["kind"], "prompt": r["prompt"],
-            "pass_lost": bool(b.get("passed")) and not c.get("passed") if r["has_tests"] else None,
-            "passed": {"candidate": c.get("passed"), "baseline": b.get("passed")} if r["has_tests"] else None,
-            "rougeL_drop": b["rougeL"] - c["rougeL"] if r["has_reference"] else None,
-            "kld_mean": _mean_kld(r), "nll_delta": nll, "agree": r["agree_exact"],
-            "tokens": {"candidate": c["tokens"], "baseline": b["tokens"]},
-            "candidate": c["completion"][:200], "baseline": b["completion"][:200]}
+    return ItemRegression(r["id"], r["line"], r["kind"], r["prompt"],
+                          bool(b.passed) and not c.passed if r["has_tests"] else None,
+                          (c.passed, b.passed) if r["has_tests"] else None,
+                          b.rougeL - c.rougeL if r["has_reference"] and b.rougeL is not None and c.rougeL is not None
+                          else None,
+                          _mean_kld(r), nll, r["agree_exact"], (c.tokens, b.tokens), c.completion[:200],
+                          b.completion[:200])
 
 
-def worst_items(records: list[dict[str, Any]], n: int = WORST_ITEMS) -> list[dict[str, Any]]:
+def worst_items(records: list[dict[str, Any]], n: int = WORST_ITEMS) -> list[ItemRegression]:
     """Items whose answer changed, worst first: a lost test pass, then the ROUGE-L drop, then the mean KLD
     (NLL increase where KLD cannot be computed)."""
     regs = [item_regression(r) for r in records]
-    changed = [x for x in regs if not x["agree"] or x["pass_lost"] or (x["rougeL_drop"] or 0) > 0]
+    changed = [x for x in regs if not x.agree or x.pass_lost or (x.rougeL_drop or 0) > 0]
 
-    def key(x: dict[str, Any]) -> tuple[float, float, float]:
-        drift = x["kld_mean"] if x["kld_mean"] is not None else (x["nll_delta"] or 0.0)
-        return (float(bool(x["pass_lost"])), x["rougeL_drop"] or 0.0, drift)
+    def key(x: ItemRegression) -> tuple[float, float, float]:
+        drift = x.kld_mean if x.kld_mean is not None else (x.nll_delta or 0.0)
+        return (float(bool(x.pass_lost)), x.rougeL_drop or 0.0, drift)
 
     return sorted(changed, key=key, reverse=True)[:n]
 
@@ -75,5 +128,5 @@ def summarize_custom(records: list[dict[str, Any]], *, seed: int, level: Level =
     if with_tests:
         out["pass@1"] = paired_delta([float(r["candidate"]["passed"]) for r in with_tests],
                                      [float(r["baseline"]["passed"]) for r in with_tests], seed=seed + 4, level=level)
-    out["worst_items"] = worst_items(records)
+    out["worst_items"] = [x.to_json() for x in worst_items(records)]
     return out

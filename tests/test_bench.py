@@ -11,6 +11,7 @@ from test_server import make_app, running
 
 from qtoolkit.bench.load_client import RequestResult, run_load, summarize
 from qtoolkit.bench.serve import bench_serve, format_table
+from qtoolkit.bench.summary import TierSummary
 from qtoolkit.bench.workloads import arrival_offsets, build_workload
 from qtoolkit.errors import DataError
 
@@ -46,10 +47,11 @@ def test_summarize_counts_only_completed_requests():
                         itl=[0.1] * 4) for i in range(4)]
     bad = [RequestResult(9, False, error="HTTP 503: busy")]
     s = summarize(ok + bad, duration=2.0)
-    assert (s["completed"], s["failed"], s["output_tokens"]) == (4, 1, 20)
-    assert s["output_tok_per_s"] == pytest.approx(10.0) and s["requests_per_s"] == pytest.approx(2.0)
-    assert s["ttft_s"]["p50"] == pytest.approx(0.25) and s["tpot_s"]["p50"] == pytest.approx(0.1)
-    assert s["itl_s"]["p99"] == pytest.approx(0.1) and s["errors"] == ["HTTP 503: busy"]
+    assert (s.completed, s.failed, s.output_tokens) == (4, 1, 20)
+    assert s.output_tok_per_s == pytest.approx(10.0) and s.requests_per_s == pytest.approx(2.0)
+    assert s.ttft.p50 == pytest.approx(0.25) and s.tpot.p50 == pytest.approx(0.1)
+    assert s.itl.p99 == pytest.approx(0.1) and s.errors == ["HTTP 503: busy"]
+    assert TierSummary.from_json(json.loads(json.dumps(s.to_json()))) == s  # bench JSON reads back as measured
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import threading
 import psutil
 import pytest
 
-from qtoolkit.bench.ablation import AblationTable, bench_ablation, bench_candidates
+from qtoolkit.bench.ablation import AblationBench, bench_ablation, bench_candidates
 from qtoolkit.engine.config import EngineConfig
 from qtoolkit.errors import QToolError
 
@@ -61,7 +61,7 @@ def check_shape(result: dict, systems: list[str], repeated: set[str], rounds: in
     assert set(top["rounds"]) == repeated and all(len(v) == rounds for v in top["rounds"].values())
     peak = result["peak_memory"]
     assert peak["rss_bytes"] > 0 and 1 <= peak["servers"] <= 2
-    table = AblationTable.from_bench(result).to_json()  # what the sign-off's report and gates read
+    table = AblationBench.from_json(result).table.to_json()  # what the sign-off's report and gates read
     assert table["tiers"][-1]["total_speedup_rounds"] is not None
 
 

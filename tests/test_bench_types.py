@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from qtoolkit.bench.ablation import AblationTable
+from qtoolkit.bench.ablation import AblationBench, AblationTable
 from qtoolkit.bench.loop import Tier, TierLoop, TierRecord
+from qtoolkit.bench.summary import TierSummary
 from qtoolkit.bench.types import BenchRequest, Workload
 from qtoolkit.bench.workload_files import FileWorkload, parse_workload
 from qtoolkit.bench.workloads import BuiltinWorkload, as_workload, build_workload
@@ -90,9 +91,9 @@ def test_no_import_circle_among_the_bench_modules():
 def test_the_loop_interleaves_tiers_and_repeats_only_what_it_is_told():
     calls = []
 
-    def measure(label: str, reqs: list[BenchRequest], c: int, seed: int) -> dict:
+    def measure(label: str, reqs: list[BenchRequest], c: int, seed: int) -> TierSummary:
         calls.append((label, len(reqs), c, seed))
-        return {"output_tok_per_s": 10.0 if label == "a" else 20.0, "completed": len(reqs)}
+        return _summary(10.0 if label == "a" else 20.0, len(reqs))
 
     loop = TierLoop(["a", "b"], measure, BuiltinWorkload("code"), 0, 8, 16, rounds=3, repeat=["b", "a"])
     tiers = loop.run(loop.plan([1, 2], 4))
@@ -105,14 +106,19 @@ def test_the_loop_interleaves_tiers_and_repeats_only_what_it_is_told():
     assert TierRecord.from_json(json.loads(json.dumps(tiers[1].to_json()))).tok_per_s("b") == 20.0
 
 
+def _summary(output_tok_per_s: float, completed: int = 8) -> TierSummary:
+    """A tier summary with only what the tables read (as an older, sparser file gives it)."""
+    return TierSummary.from_json({"completed": completed, "failed": 0, "duration_s": 1.0,
+                                  "output_tok_per_s": output_tok_per_s, "requests_per_s": completed / 1.0})
+
+
 def _bench(rounds: dict | None, speculative: bool) -> dict:
-    ok = {"completed": 8, "failed": 0}
     tps = {"baseline_static": 10.0, "baseline_continuous": 14.0, "candidate_static": 12.0,
            "candidate_continuous": 17.0}
     if speculative:
         tps |= {"baseline_static_spec": 11.0, "baseline_continuous_spec": 15.0, "candidate_continuous_spec": 19.0}
-    tier = Tier(4, [BenchRequest(i, "code", "p", 4) for i in range(8)], {k: {**ok, "output_tok_per_s": v}
-                                                                          for k, v in tps.items()}, rounds)
+    tier = Tier(4, [BenchRequest(i, "code", "p", 4) for i in range(8)], {k: _summary(v) for k, v in tps.items()},
+                rounds)
     return {"tiers": [tier.to_json()], "config": {"systems": list(tps)}}
 
 
@@ -120,7 +126,7 @@ def _bench(rounds: dict | None, speculative: bool) -> dict:
 def test_the_ablation_table_round_trips_and_keeps_its_shape(speculative):
     rounds = {"baseline_static": [10.0, 10.5, 9.5], "candidate_static": [12.0, 12.2, 11.9],
               "candidate_continuous": [17.0, 17.5, 16.0], "candidate_continuous_spec": [19.0, 19.5, 18.0]}
-    table = AblationTable.from_bench(_bench(rounds, speculative)).to_json()
+    table = AblationBench.from_json(_bench(rounds, speculative)).table.to_json()
     assert AblationTable.from_json(json.loads(json.dumps(table))).to_json() == json.loads(json.dumps(table))
     (row,) = table["tiers"]
     top = "candidate_continuous_spec" if speculative else "candidate_continuous"
@@ -177,16 +183,17 @@ def test_a_bad_spec_on_the_command_line_exits_2_before_anything_starts(tmp_path,
 
 
 def test_the_deployment_throughput_table_keeps_its_shape():
-    from qtoolkit.bench.deployment import throughput_table
+    from qtoolkit.bench.deployment import DeploymentBench
 
     def summary(role: str, tps: float) -> dict:
         return {"endpoint": f"http://{role}", "model_id": "m", "output_tok_per_s": tps, "requests_per_s": 1.0,
-                "completed": 4, "failed": 0, "ttft_s": {"p50": 0.1}, "tpot_s": {"p50": 0.02}}
+                "completed": 4, "failed": 0, "duration_s": 4.0, "ttft_s": {"p50": 0.1}, "tpot_s": {"p50": 0.02}}
 
     tier = {"concurrency": 4, "num_requests": 4, "results": {"baseline": summary("b", 10.0),
                                                              "candidate": summary("c", 15.0)},
             "rounds": {"baseline": [10.0, 10.0, 11.0], "candidate": [15.0, 14.0, 16.0]}}
-    table = throughput_table({"tiers": [tier, {**tier, "rounds": None}], "inputs": {"workload_sha256": "x"}}).to_json()
+    table = DeploymentBench.from_json({"tiers": [tier, {**tier, "rounds": None}],
+                                       "inputs": {"workload_sha256": "x"}}).table().to_json()
     top, plain = table["tiers"][0], table["tiers"][1]
     assert top["total_speedup"] == pytest.approx(1.5) and top["total_speedup_rounds"]["rounds"] == 3
     assert "total_speedup_rounds" not in plain and table["workload_sha256"] == "x"

@@ -81,10 +81,10 @@ def _bench_json() -> dict:
     def res(c: int, tps: float) -> dict:
         reqs = [RequestResult(i, True, prompt_tokens=10, output_tokens=8, ttft=0.05 * c, latency=0.05 * c + 0.4,
                               itl=[0.05] * 7) for i in range(4)]
-        return summarize(reqs, duration=32 / tps)
+        return summarize(reqs, duration=32 / tps).to_json()
 
-    return {"tiers": [{"concurrency": c, "results": {"continuous": res(c, 40.0 * c), "static": res(c, 30.0 * c)}}
-                      for c in (1, 2, 4)]}
+    return {"tiers": [{"concurrency": c, "num_requests": 4,
+                       "results": {"continuous": res(c, 40.0 * c), "static": res(c, 30.0 * c)}} for c in (1, 2, 4)]}
 
 
 def _eval_json() -> dict:

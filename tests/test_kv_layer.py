@@ -18,6 +18,7 @@ from qtoolkit.bench.kv_layer import (
     resolve_kv_dtype,
     unquantized_bytes_per_token,
 )
+from qtoolkit.bench.summary import TierSummary
 from qtoolkit.bench.types import BenchRequest
 from qtoolkit.cli import main
 from qtoolkit.errors import QToolError
@@ -60,8 +61,13 @@ def test_the_budget_holds_a_quarter_of_the_tier_unquantized(tiny_model_dir):
 
 
 def test_layer_row_ratios_and_report_lines():
-    results = {"kv_auto": {"kv_capacity_tokens": 1000, "output_tok_per_s": 10.0, "preemptions": 7},
-               "kv_fp8": {"kv_capacity_tokens": 3760, "output_tok_per_s": 12.5, "preemptions": 0}}
+    def summary(dtype: str, capacity: int, tps: float, preemptions: float) -> TierSummary:
+        return TierSummary.from_json({"completed": 32, "failed": 0, "duration_s": 1.0, "output_tok_per_s": tps,
+                                      "requests_per_s": 32.0, "kv_cache_dtype": dtype,
+                                      "kv_capacity_tokens": capacity, "kv_bytes_per_token": 512,
+                                      "preemptions": preemptions})
+
+    results = {"kv_auto": summary("auto", 1000, 10.0, 7), "kv_fp8": summary("fp8", 3760, 12.5, 0)}
     rounds = {"kv_auto": [10.0, 9.0, 11.0], "kv_fp8": [12.5, 11.0, 13.0]}
     row = KVLayerRow.from_tier(results, rounds, ["kv_auto", "kv_fp8"])
     assert row.capacity_ratio == pytest.approx(3.76) and row.throughput_ratio == pytest.approx(1.25)

@@ -64,7 +64,7 @@ def test_identical_models_never_fail_quality_gates():
 
 
 def _bench_tier(base: float, full: float, rounds: dict[str, list[float]] | None) -> dict:
-    res = {"completed": 16, "failed": 0}
+    res = {"completed": 16, "failed": 0, "duration_s": 2.0, "requests_per_s": 8.0}
     results = {"baseline_static": {**res, "output_tok_per_s": base},
                "baseline_continuous": {**res, "output_tok_per_s": base * 1.1},
                "candidate_static": {**res, "output_tok_per_s": base},
@@ -98,9 +98,9 @@ def _full_stack_policy():
     ({"baseline_static": [10.0, 10.0, 10.0], "candidate_continuous": [12.0, 9.0, 15.0]}, False),
 ])
 def test_throughput_gate_judges_the_lower_bound_over_rounds(rounds, passed):
-    from qtoolkit.bench.ablation import AblationTable
+    from qtoolkit.bench.ablation import AblationBench
 
-    ab = AblationTable.from_bench(_bench_tier(10.0, 12.0, rounds))
+    ab = AblationBench.from_json(_bench_tier(10.0, 12.0, rounds)).table
     policy = _full_stack_policy()
     gate = {g.name: g for g in evaluate_gates(policy, None, ab, None)}["throughput.min_speedup"]
     assert gate.passed is passed
@@ -112,10 +112,10 @@ def test_throughput_gate_judges_the_lower_bound_over_rounds(rounds, passed):
 
 
 def test_throughput_gate_names_its_interval_and_an_unreliable_one_decides_nothing():
-    from qtoolkit.bench.ablation import AblationTable
+    from qtoolkit.bench.ablation import AblationBench
 
-    ab = AblationTable.from_bench(_bench_tier(10.0, 12.0, {"baseline_static": [10.0, 10.0, 10.0],
-                                                 "candidate_continuous": [12.0, 12.4, 11.8]}))
+    ab = AblationBench.from_json(_bench_tier(10.0, 12.0, {"baseline_static": [10.0, 10.0, 10.0],
+                                                         "candidate_continuous": [12.0, 12.4, 11.8]})).table
     policy = _full_stack_policy()
     gate = {g.name: g for g in evaluate_gates(policy, None, ab, None)}["throughput.min_speedup"]
     assert gate.verdict == "PASS" and "log ratios" in gate.ci_method and gate.ci_coverage >= 0.93

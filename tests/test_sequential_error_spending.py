@@ -3,13 +3,15 @@ own level, and the report states the overall error instead of K x 5%."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from qtoolkit.evals.stats.paired import Level, paired_delta
 from qtoolkit.evals.summary import figure_from_json
 
 from qtoolkit.commands.signoff import DEFAULT_MAX_ITEMS
-from qtoolkit.signoff.error_spending import ALPHA, SPEND, plan, pocock_spent
+from qtoolkit.signoff.error_spending import ALPHA, SPEND, SequentialRecord, plan, pocock_spent
 from qtoolkit.signoff.judge import Gate
 from qtoolkit.signoff.report import look_level, markdown
 from qtoolkit.signoff.sequential import describe, design_of, draw_until_decisive, stages
@@ -78,7 +80,8 @@ def test_each_look_computes_its_intervals_at_its_own_level():
 def test_report_states_the_overall_error_not_k_times_5_percent():
     looks = draw_until_decisive(lambda *a: None, lambda: ([Gate("code", "kld_mean", False, "undecided")], []), 8, 64, resume=False)
     seq = describe(looks, 64)
-    assert seq["error_rate_bound"] == 0.05 and len(seq["looks"]) == 4
+    assert seq.error_rate_bound == 0.05 and len(seq.looks) == 4
+    assert SequentialRecord.from_json(json.loads(json.dumps(seq.to_json()))) == seq  # sequential.json reads back
     text = error_statement(seq)
     assert "at most 5% over its 4 looks" in text and "Pocock" in text and "8 items 0.97%" in text
     assert "PASS end" in text and "truth exactly on the policy's bound" in text
@@ -86,8 +89,8 @@ def test_report_states_the_overall_error_not_k_times_5_percent():
     notes = reading([], None, seq)
     assert any("4 look(s)" in n and "at most 5% over its 4 looks" in n for n in notes)
     assert error_statement(describe(looks[:1], 8)).startswith("One look (8 items 5.00% error)")
-    legacy = {"looks": seq["looks"][:3], "max_items": 64, "error_rate_bound": 0.15}  # sequential.json of before
-    assert "K x 5% = 15%" in error_statement(legacy)
+    legacy = {"looks": seq.to_json()["looks"][:3], "max_items": 64, "error_rate_bound": 0.15}  # of before designs
+    assert "K x 5% = 15%" in error_statement(SequentialRecord.from_json(legacy))
     assert look_level(8, 64, 16) == pytest.approx(100 * design_of(8, 64).levels[1])
     assert look_level(8, None, 8) == 95.0
     assert stages(8, 64) == list(design_of(8, 64).items)

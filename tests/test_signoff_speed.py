@@ -10,6 +10,7 @@ import pytest
 
 from qtoolkit.bench.ablation import AblationBench, AblationRow, speed_pair
 from qtoolkit.bench.loop import TierRecord
+from qtoolkit.bench.summary import TierSummary
 from qtoolkit.signoff.judge import evaluate_gates
 from qtoolkit.signoff.policy import Policy, load_policy
 from qtoolkit.signoff.speed import round_looks, speed_design, undecided
@@ -104,7 +105,8 @@ def test_round_looks_and_their_levels_spend_five_percent():
 
 
 def test_ablation_rows_give_every_layer_an_interval_over_rounds():
-    tier = TierRecord(8, 16, {s: {"completed": 16, "failed": 0, "output_tok_per_s": v} for s, v in
+    tier = TierRecord(8, 16, {s: TierSummary.from_json({"completed": 16, "failed": 0, "duration_s": 1.0,
+                                                       "output_tok_per_s": v, "requests_per_s": 16.0}) for s, v in
                               (("baseline_static", 10.0), ("baseline_continuous", 12.0),
                                ("baseline_continuous_spec", 11.0), ("candidate_static", 9.0),
                                ("candidate_continuous_spec", 13.0), ("baseline_static_spec", 10.5))},

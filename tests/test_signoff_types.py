@@ -17,6 +17,7 @@ from qtoolkit.signoff import verdicts
 from qtoolkit.signoff.judge import Gate
 from qtoolkit.signoff.policy import load_policy
 from qtoolkit.signoff.report import write_reports
+from qtoolkit.signoff.steps import StepOutcome
 from qtoolkit.signoff.verdict import DeploymentSection, Evidence, NotMeasurable, decide
 
 
@@ -85,7 +86,9 @@ def test_eval_results_load_names_a_missing_corrupt_or_foreign_file(tmp_path):
 
 
 def _report(steps: dict, gates: list[Gate], **kw):
-    return decide(Evidence(steps, gates), provenance=provenance(model="m"), config={"model": "m", "recipe": "r"},
+    """`steps` as steps.json holds them."""
+    outcomes = {n: StepOutcome.from_json(s) for n, s in steps.items()}
+    return decide(Evidence(outcomes, gates), provenance=provenance(model="m"), config={"model": "m", "recipe": "r"},
                   policy=load_policy("default"), **kw)
 
 

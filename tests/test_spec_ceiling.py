@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 
-from qtoolkit.bench.spec_ceiling import TierSpeculation, parse_speculative, speculation_ceiling, tier_delta
+from qtoolkit.bench.spec_ceiling import (
+    SpeculationCeiling,
+    TierSpeculation,
+    parse_speculative,
+    speculation_ceiling,
+    tier_delta,
+)
 from qtoolkit.engine.stats import EngineStats, SpeculativeStats
 from qtoolkit.server.metrics import ServerMetrics
 
@@ -45,15 +52,16 @@ def test_scrapes_difference_into_one_tier():
 def test_ceiling_follows_the_cost_model():
     free = TierSpeculation(acceptance_by_position=[0.5], draft_cost_ratio=0.0, verify_cost_per_token=0.0)
     c = speculation_ceiling(free, num_speculative_tokens=4, prefill_share=0.5)
-    assert c["full_acceptance"]["best_k"] == 4
-    assert c["full_acceptance"]["decode_speedup"] == pytest.approx(5.0, abs=0.01)  # k + 1 tokens for one step
-    assert c["full_acceptance"]["request_speedup"] == pytest.approx(1 / (0.5 + 0.5 / 5.0), abs=0.01)
-    assert c["measured_acceptance"]["decode_speedup"] == pytest.approx(1.9375, abs=1e-3)  # (1 - .5^5) / .5
+    assert c.full_acceptance.best_k == 4
+    assert c.full_acceptance.decode_speedup == pytest.approx(5.0, abs=0.01)  # k + 1 tokens for one step
+    assert c.full_acceptance.request_speedup == pytest.approx(1 / (0.5 + 0.5 / 5.0), abs=0.01)
+    assert c.measured_acceptance.decode_speedup == pytest.approx(1.9375, abs=1e-3)  # (1 - .5^5) / .5
+    assert SpeculationCeiling.from_json(json.loads(json.dumps(c.to_json()))) == c  # a bench JSON's block reads back
     # a draft costing 0.3 of a verification caps even perfect acceptance well below k + 1
     costly = replace(free, draft_cost_ratio=0.3, verify_cost_per_token=0.1, acceptance_by_position=[0.9])
     c = speculation_ceiling(costly, num_speculative_tokens=4, prefill_share=0.2)
-    assert c["full_acceptance"]["decode_speedup"] < 2.2
-    assert c["measured_acceptance"]["request_speedup"] < c["full_acceptance"]["request_speedup"]
+    assert c.full_acceptance.decode_speedup < 2.2
+    assert c.measured_acceptance.request_speedup < c.full_acceptance.request_speedup
     useless = replace(costly, acceptance_by_position=[0.0])
-    assert speculation_ceiling(useless, num_speculative_tokens=4, prefill_share=0.2)[
-        "measured_acceptance"]["request_speedup"] == 1.0  # the policy would decode plainly
+    assert speculation_ceiling(useless, num_speculative_tokens=4, prefill_share=0.2) \
+        .measured_acceptance.request_speedup == 1.0  # the policy would decode plainly

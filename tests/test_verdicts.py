@@ -137,7 +137,7 @@ def test_inconclusive_gate_draws_more_items_up_to_the_budget():
     looks = draw_until_decisive(run, judge, 8, 64, resume=False)
     # later looks resume (finished items are reused) and draw only for the task whose gate is undecided
     assert calls == [(8, True, None), (16, False, ["summarization"]), (32, False, ["summarization"])]
-    info = describe(looks, 64)
+    info = describe(looks, 64).to_json()  # as sequential.json holds it
     assert [x["items"] for x in info["looks"]] == [8, 16, 32] and info["error_rate_bound"] == pytest.approx(0.05)
     assert info["design"]["planned_items"] == [8, 16, 32, 64]
     assert info["looks"][0]["undecided"] == ["summarization.rougeL_drop"]  # sequential.json names gates task.metric

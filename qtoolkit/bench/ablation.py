@@ -169,7 +169,7 @@ class _Bench:
         warm_up(server.url, served, seed=self.seed)
         self.servers[quant] = (server, served)
 
-    def measure(self, label: str, reqs: list[BenchRequest], c: int, s: int) -> dict[str, Any]:
+    def measure(self, label: str, reqs: list[BenchRequest], c: int, s: int) -> TierSummary:
         system = next(x for x in self.systems if x.label == label)
         server, served = self.servers[str(system.quant)]
         server.set_mode(**_mode(system, self.engine))  # also empties the prefix cache: a fresh server's state
@@ -209,7 +209,7 @@ def _split(systems: list[System], repeat: list[str]) -> tuple[list[str], list[st
     return [s.label for s in systems if s.label not in paired], paired
 
 
-def _merge(shared: list[Tier], own: list[Tier], labels: list[str]) -> list[dict[str, Any]]:
+def _merge(shared: list[Tier], own: list[Tier], labels: list[str]) -> list[Tier]:
     """A candidate's tiers: the shared baseline figures and its own loop's (paired in time), in `labels` order."""
     out = []
     for a, b in zip(shared, own, strict=True):
@@ -219,7 +219,7 @@ def _merge(shared: list[Tier], own: list[Tier], labels: list[str]) -> list[dict[
         for name in ("rounds", "rounds_tpot", "rounds_ttft"):
             x, y = getattr(a, name), getattr(b, name)
             setattr(tier, name, None if x is None and y is None else {**(x or {}), **(y or {})})
-        out.append(tier.to_json())
+        out.append(tier)
     return out
 
 
@@ -289,7 +289,8 @@ def _candidate(bench: _Bench, baseline: str, candidate: str, shared: list[Tier],
         capacity = _capacity(bench, loop, shared, own)
     bench.servers.pop("candidate", None)
     engine = bench.engine
-    extra = ({} if looks is None else {"speed_rounds": looks}) | ({} if capacity is None else {"capacity": capacity.to_json()})
+    extra = ({} if looks is None else {"speed_rounds": looks.to_json()}) | (
+        {} if capacity is None else {"capacity": capacity.to_json()})
     return {**extra, **provenance(baseline=baseline, candidate=candidate, workload_sha256=requests_sha256(loop.requests),
                          rounds_workload_sha256=requests_sha256(loop.round_requests)),
             "config": {"concurrency": concurrency, "workload": bench.traffic.describe(),
@@ -297,10 +298,10 @@ def _candidate(bench: _Bench, baseline: str, candidate: str, shared: list[Tier],
                        "max_output_tokens": bench.max_output_tokens, "seed": bench.seed,
                        "systems": [s.label for s in bench.systems], "rounds": bench.rounds,
                        "kv_cache_tokens": engine.kv_cache_tokens},
-            "tiers": _merge(shared, own, [s.label for s in bench.systems])}
+            "tiers": [t.to_json() for t in _merge(shared, own, [s.label for s in bench.systems])]}
 
 
-def _speed_rounds(bench: _Bench, loop: TierLoop, shared: list[Tier], own: list[Tier]) -> dict[str, Any] | None:
+def _speed_rounds(bench: _Bench, loop: TierLoop, shared: list[Tier], own: list[Tier]) -> SpeedRounds | None:
     """The speed gates' further looks: rounds of the pair at every tier until `decided` or the last look."""
     if bench.speed is None or not bench.every_tier:
         return None
@@ -312,13 +313,13 @@ def _speed_rounds(bench: _Bench, loop: TierLoop, shared: list[Tier], own: list[T
         return SpeedRounds(pair, list(bench.speed.looks), measured)
 
     for target in bench.speed.looks[1:]:
-        tiers = [TierRecord.from_json(t) for t in _merge(shared, own, labels)]
+        tiers = [TierRecord.of(t) for t in _merge(shared, own, labels)]
         if bench.speed.decided(AblationBench(tiers, labels, bench.rounds, so_far())):
             break
         status(f"speed gates undecided after {measured} rounds: {target} rounds of {' and '.join(pair)}")
         loop.more_rounds(own, pair, target)
         measured = target
-    return so_far().to_json()
+    return so_far()
 
 
 def _capacity(bench: _Bench, loop: TierLoop, shared: list[Tier], own: list[Tier]) -> CapacityRounds | None:
@@ -328,7 +329,7 @@ def _capacity(bench: _Bench, loop: TierLoop, shared: list[Tier], own: list[Tier]
         return None
     labels = [s.label for s in bench.systems]
     pair = speed_pair(labels)
-    top = [TierRecord.from_json(t) for t in _merge(shared, own, labels)][-1]
+    top = TierRecord.of(_merge(shared, own, labels)[-1])
     starts = {label: 0.5 * (top.requests_per_s(label) or 1.0) for label in pair}
     return paired_capacity(bench.capacity_probe(loop), pair, bench.capacity, starts)
 
@@ -479,9 +480,3 @@ class AblationTable:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> AblationTable:
         return cls([AblationRow.from_json(t) for t in d["tiers"]], list(d.get("systems") or []))
-
-    @classmethod
-    def from_bench(cls, bench: dict[str, Any]) -> AblationTable:
-        """The table of a bench_ablation result (as written to bench.json)."""
-        tiers = [AblationRow.from_tier(TierRecord.from_json(t)) for t in bench["tiers"]]
-        return cls(tiers, list(bench["config"]["systems"]))

@@ -9,6 +9,7 @@ back: the throughput gate judges the spread of the per-round ratios, as it does 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -21,25 +22,24 @@ from .ablation import AblationBench, SpeedLooks, SpeedRounds
 from .capacity import CapacityPlan, CapacityRounds, paired_capacity
 from .load_client import requests_sha256, run_load, summarize, warm_up
 from .loop import Tier, TierLoop, TierRecord, fresh_requests
-from .summary import TierSummary
+from .summary import ServedBy, TierSummary
 from .types import BenchRequest, Workload
 from .workloads import as_workload
 
 ROLES = ("baseline", "candidate")
 
 
-def _measure(dep: Deployment, info: EndpointInfo, reqs: list[Any], concurrency: int, seed: int,
-             ignore_eos: bool) -> dict[str, Any]:
+def _measure(dep: Deployment, info: EndpointInfo, reqs: list[BenchRequest], concurrency: int, seed: int,
+             ignore_eos: bool) -> TierSummary:
     res, duration = asyncio.run(run_load(info.url, info.model_id, reqs, concurrency=concurrency, seed=seed,
                                          ignore_eos=ignore_eos, api_key=dep.api_key()))
     summary = summarize(res, duration)
-    if summary["failed"]:
+    if summary.failed:
         # a throughput with dropped requests measures the failures, not the deployment: ERROR, never a verdict
-        raise EndpointError(f"the {dep.role} endpoint {info.url} failed {summary['failed']} of {len(res)} benchmark "
-                            f"requests at concurrency {concurrency} (first: {(summary['errors'] or ['no error text'])[0]}): check the "
-                            "endpoint and run the same sign-off again (finished steps are reused)")
-    return {"endpoint": info.url, "model_id": info.model_id, **summary,
-            "retried_requests": sum(1 for r in res if r.retries)}
+        raise EndpointError(f"the {dep.role} endpoint {info.url} failed {summary.failed} of {len(res)} benchmark "
+                            f"requests at concurrency {concurrency} (first: {(summary.errors or ['no error text'])[0]}): "
+                            "check the endpoint and run the same sign-off again (finished steps are reused)")
+    return dataclasses.replace(summary, served_by=ServedBy(info.url, info.model_id, sum(1 for r in res if r.retries)))
 
 
 def bench_deployments(deps: dict[str, Deployment], infos: dict[str, EndpointInfo], *, concurrency: list[int],
@@ -54,7 +54,7 @@ def bench_deployments(deps: dict[str, Deployment], infos: dict[str, EndpointInfo
     for role in ROLES:  # first requests pay one-off costs (the same warm-up as `qtool bench serve`)
         warm_up(infos[role].url, infos[role].model_id, seed=seed, ignore_eos=ignore_eos, api_key=deps[role].api_key())
 
-    def measure(role: str, reqs: list[BenchRequest], c: int, s: int) -> dict[str, Any]:
+    def measure(role: str, reqs: list[BenchRequest], c: int, s: int) -> TierSummary:
         return _measure(deps[role], infos[role], reqs, c, s, ignore_eos)
 
     traffic = as_workload(workload)
@@ -128,10 +128,12 @@ class EndpointFigures:
         return cls(**d)
 
     @classmethod
-    def from_summary(cls, r: dict[str, Any]) -> EndpointFigures:
-        """From a tier result: _measure's summary (load_client.summarize's figures, endpoint and model id)."""
-        return cls(r["endpoint"], r["model_id"], r["output_tok_per_s"], r["requests_per_s"], r["completed"],
-                   r["failed"], r["ttft_s"]["p50"], r["tpot_s"]["p50"])
+    def from_summary(cls, r: TierSummary) -> EndpointFigures:
+        """From a tier result: _measure's summary (the load client's figures and the endpoint that served them)."""
+        if r.served_by is None:
+            raise ValueError("a deployment bench's tier result names no endpoint")
+        return cls(r.served_by.endpoint, r.served_by.model_id, r.output_tok_per_s, r.requests_per_s, r.completed,
+                   r.failed, r.ttft.p50, r.tpot.p50)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -194,8 +196,19 @@ class ThroughputTable:
         return cls([ThroughputRow.from_json(t) for t in d["tiers"]], d["workload_sha256"])
 
 
-def throughput_table(bench: dict[str, Any], level: float = CONFIDENCE) -> ThroughputTable:
-    """The table of a bench_deployments result (as written to bench.json), its intervals over rounds at
-    `level` (95%, or 1 - a sweep's family-wise share of a candidate)."""
-    return ThroughputTable([ThroughputRow.from_tier(TierRecord.from_json(t), level) for t in bench["tiers"]],
-                           bench["inputs"]["workload_sha256"])
+@dataclass(frozen=True)
+class DeploymentBench:
+    """bench.json of a deployment sign-off as the throughput gate reads it: every tier and the hash of the
+    requests (the rest of the file is provenance and configuration)."""
+
+    tiers: list[TierRecord]
+    workload_sha256: str
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> DeploymentBench:
+        return cls([TierRecord.from_json(t) for t in d["tiers"]], d["inputs"]["workload_sha256"])
+
+    def table(self, level: float = CONFIDENCE) -> ThroughputTable:
+        """The throughput table, its intervals over rounds at `level` (95%, or 1 - a sweep's family-wise share
+        of a candidate)."""
+        return ThroughputTable([ThroughputRow.from_tier(t, level) for t in self.tiers], self.workload_sha256)

@@ -10,6 +10,7 @@ machine's memory or cores, and each measurement's preemptions are its own server
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from ..server.metrics import samples
 from ..server.process import server_process
 from .load_client import requests_sha256, run_load, served_models, summarize, warm_up
 from .loop import TierLoop, ratio_rounds
-from .summary import TierSummary
+from .summary import KVFigures, TierSummary
 from .types import BenchRequest, Workload
 from .workloads import as_workload
 
@@ -100,7 +101,7 @@ class KVScrape:
 
 
 def _measure_one(checkpoint: str, engine: EngineConfig, reqs: list[BenchRequest], c: int, s: int,
-                 seed: int) -> dict[str, Any]:
+                 seed: int) -> TierSummary:
     """Start one server, warm it up, run the requests, stop it: the tier summary plus the cache's figures."""
     with server_process(checkpoint, engine) as url:
         served = asyncio.run(served_models(url))[0]
@@ -108,9 +109,8 @@ def _measure_one(checkpoint: str, engine: EngineConfig, reqs: list[BenchRequest]
         before = KVScrape.read(url)
         res, duration = asyncio.run(run_load(url, served, reqs, concurrency=c, seed=s))
         after = KVScrape.read(url)
-    return {**summarize(res, duration), "kv_cache_dtype": engine.kv_cache_dtype,
-            "kv_capacity_tokens": after.capacity_tokens, "kv_bytes_per_token": after.bytes_per_token,
-            "preemptions": after.preemptions - before.preemptions}
+    return dataclasses.replace(summarize(res, duration), kv=KVFigures(
+        engine.kv_cache_dtype, after.capacity_tokens, after.bytes_per_token, after.preemptions - before.preemptions))
 
 
 def bench_kv_layer(checkpoint: str | Path, kv_cache_dtype: str, engine: EngineConfig | None = None, *,
@@ -130,10 +130,11 @@ def bench_kv_layer(checkpoint: str | Path, kv_cache_dtype: str, engine: EngineCo
     decode: dict[str, list[float]] = {x: [] for x in labels}
     engines: dict[str, EngineConfig] = {}
 
-    def measure(name: str, reqs: list[BenchRequest], c: int, s: int) -> dict[str, Any]:
+    def measure(name: str, reqs: list[BenchRequest], c: int, s: int) -> TierSummary:
         out = _measure_one(str(checkpoint), engines[name], reqs, c, s, seed)
-        preemptions[name].append(out["preemptions"])
-        tpot = TierSummary.from_json(out).tpot.mean
+        assert out.kv is not None  # _measure_one adds the cache's figures to every summary
+        preemptions[name].append(out.kv.preemptions)
+        tpot = out.tpot.mean
         decode[name].append(1 / tpot if tpot else 0.0)
         return out
 
@@ -168,13 +169,15 @@ class KVLayerRow:
     throughput_ratio_rounds: dict[str, Any] | None = None  # ratio_over_rounds' figures
 
     @classmethod
-    def from_tier(cls, results: dict[str, dict[str, Any]], rounds: dict[str, list[float]],
+    def from_tier(cls, results: dict[str, TierSummary], rounds: dict[str, list[float]],
                   labels: list[str]) -> KVLayerRow:
+        """From the layer's tier: each cache's figures (the results _measure_one gave) and output tok/s."""
         base, quant = labels
-        cap = {x: int(results[x]["kv_capacity_tokens"]) for x in labels if x in results}
-        tps = {x: float(results[x]["output_tok_per_s"]) for x in labels if x in results}
+        kv = {x: f for x in labels if x in results and (f := results[x].kv) is not None}
+        cap = {x: f.kv_capacity_tokens for x, f in kv.items()}
+        tps = {x: results[x].output_tok_per_s for x in kv}
         return cls(quant.removeprefix("kv_"), cap, cap[quant] / cap[base] if cap.get(base) and quant in cap else None,
-                   {x: float(results[x]["preemptions"]) for x in labels if x in results}, tps,
+                   {x: f.preemptions for x, f in kv.items()}, tps,
                    tps[quant] / tps[base] if tps.get(base) and quant in tps else None,
                    ratio_rounds(rounds, quant, base))
 

@@ -5,6 +5,7 @@ as a user sees it (TTFT, ITL, TPOT) and summarizes a tier. Token counts come fro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from typing import Any
@@ -139,19 +140,14 @@ async def run_load(base_url: str, model: str, requests: list[BenchRequest], *, c
 
 
 def summarize(results: list[RequestResult], duration: float, *, slo: SLO | None = None,
-              rate: float | None = None) -> dict[str, Any]:
-    """A tier's figures (TierSummary's JSON: throughput over the whole run, latency distributions over completed
-    requests, goodput under `slo`, saturation under open-loop `rate`), the speculation counters and the same run
-    in vLLM's names and units (ms)."""
-    return {**TierSummary.of(results, duration, slo=slo, rate=rate).to_json(), **_speculative_summary(
-        [r for r in results if r.ok]), **vllm_metrics(results, duration)}
-
-
-def _speculative_summary(ok: list[RequestResult]) -> dict[str, Any]:
-    spec = [r.speculative for r in ok if r.speculative is not None]
-    if not spec:
-        return {}
-    return {"speculative": sum(spec, SpeculativeUsage()).as_dict()}
+              rate: float | None = None) -> TierSummary:
+    """A tier's figures: throughput over the whole run, latency distributions over completed requests, goodput
+    under `slo`, saturation under open-loop `rate`, the speculation counters and the same run in vLLM's names and
+    units (ms)."""
+    spec = [r.speculative for r in results if r.ok and r.speculative is not None]
+    return dataclasses.replace(TierSummary.of(results, duration, slo=slo, rate=rate),
+                               speculative=sum(spec, SpeculativeUsage()) if spec else None,
+                               vllm=vllm_metrics(results, duration))
 
 
 def normalize_endpoint(url: str) -> str:

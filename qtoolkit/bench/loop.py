@@ -11,12 +11,12 @@ from typing import Any
 from qtoolkit.evals.stats.paired import ratio_over_rounds
 
 from ..progress import status
-from .summary import Distribution
+from .summary import TierSummary
 from .types import BenchRequest, Workload
 from .workloads import as_workload
 
-# (label, requests, concurrency, seed) -> a tier summary (load_client.summarize's dict)
-Measure = Callable[[str, list[BenchRequest], int, int], dict[str, Any]]
+# (label, requests, concurrency, seed) -> that system's summary of serving them
+Measure = Callable[[str, list[BenchRequest], int, int], TierSummary]
 
 
 def requests_per_tier(concurrency: int, num_requests: int | None) -> int:
@@ -37,7 +37,7 @@ class Tier:
 
     concurrency: int
     requests: list[BenchRequest]
-    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    results: dict[str, TierSummary] = field(default_factory=dict)
     rounds: dict[str, list[float]] | None = None
     # beside each round's output tok/s: its median TPOT and median TTFT (seconds), the speed gates' figures
     rounds_tpot: dict[str, list[float | None]] | None = None
@@ -47,19 +47,18 @@ class Tier:
     def num_requests(self) -> int:
         return len(self.requests)
 
-    def add_round(self, label: str, summary: dict[str, Any]) -> None:
-        """One more round of `label` (load_client.summarize's dict)."""
+    def add_round(self, label: str, summary: TierSummary) -> None:
+        """One more round of `label`."""
         # a summary without latencies (HF generate's) has no TPOT / TTFT: None, which no speed gate passes on
-        for name, value in (("rounds", summary["output_tok_per_s"]),
-                            ("rounds_tpot", Distribution.from_json(summary.get("tpot_s")).p50),
-                            ("rounds_ttft", Distribution.from_json(summary.get("ttft_s")).p50)):
+        for name, value in (("rounds", summary.output_tok_per_s), ("rounds_tpot", summary.tpot.p50),
+                            ("rounds_ttft", summary.ttft.p50)):
             if getattr(self, name) is None:
                 setattr(self, name, {})
             getattr(self, name).setdefault(label, []).append(value)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"concurrency": self.concurrency, "num_requests": self.num_requests,
-                               "results": self.results}
+                               "results": {label: r.to_json() for label, r in self.results.items()}}
         for name in ("rounds", "rounds_tpot", "rounds_ttft"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
@@ -72,25 +71,32 @@ class TierRecord:
 
     concurrency: int
     num_requests: int
-    results: dict[str, dict[str, Any]]
+    results: dict[str, TierSummary]
     rounds: dict[str, list[float]] | None = None
     rounds_tpot: dict[str, list[float | None]] | None = None
     rounds_ttft: dict[str, list[float | None]] | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TierRecord:
-        return cls(int(d["concurrency"]), int(d["num_requests"]), dict(d["results"]), d.get("rounds"),
+        return cls(int(d["concurrency"]), int(d["num_requests"]),
+                   {label: TierSummary.from_json(r) for label, r in d["results"].items()}, d.get("rounds"),
                    d.get("rounds_tpot"), d.get("rounds_ttft"))
+
+    @classmethod
+    def of(cls, tier: Tier) -> TierRecord:
+        """A tier as measured (its requests counted)."""
+        return cls(tier.concurrency, tier.num_requests, dict(tier.results), tier.rounds, tier.rounds_tpot,
+                   tier.rounds_ttft)
 
     def tok_per_s(self, label: str) -> float | None:
         """The system's output tok/s at this tier; None when it was not measured or completed nothing."""
         r = self.results.get(label)
-        return r["output_tok_per_s"] if r and r.get("completed") else None
+        return r.output_tok_per_s if r and r.completed else None
 
     def requests_per_s(self, label: str) -> float | None:
         """The system's completed requests/s at this tier; None when it was not measured or completed nothing."""
         r = self.results.get(label)
-        return r["requests_per_s"] if r and r.get("completed") else None
+        return r.requests_per_s if r and r.completed else None
 
 
 def fresh_requests(workload: str | Workload, n: int, used: list[BenchRequest], *, seed: int,
@@ -156,7 +162,7 @@ class TierLoop:
 
     def _measure_tier(self, t: int, tier: Tier) -> None:
         """Every system on the tier's requests, interleaved; results kept in the order of `labels`."""
-        results: dict[str, dict[str, Any]] = {}
+        results: dict[str, TierSummary] = {}
         for label in interleaved(self.labels, t):
             status(f"concurrency {tier.concurrency}: {tier.num_requests} requests against {label}")
             results[label] = self.measure(label, tier.requests, tier.concurrency, self.seed + t)

@@ -10,7 +10,7 @@ import copy
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -22,10 +22,10 @@ from ..progress import status
 from ..provenance import provenance
 from ..server.process import server_process
 from .load_client import normalize_endpoint, requests_sha256, run_load, served_models, summarize, warm_up
-from .loop import Measure, Tier, TierLoop, fresh_requests, ratio_rounds
+from .loop import Measure, Tier, TierLoop, TierRecord, fresh_requests, ratio_rounds
 from .slo_sweep import slo_sweep
-from .spec_ceiling import TierSpeculation, prefill_share, scrape_speculative, speculation_ceiling, tier_delta
-from .summary import SLO, TierSummary
+from .spec_ceiling import SpeculationCeiling, scrape_speculative, speculation_ceiling, tier_delta
+from .summary import SLO, Distribution, StaticBatches, TierSummary
 from .systems import ENDPOINT, HF, System, serve_systems
 from .types import BenchRequest, Workload
 from .vllm_names import vllm_run_fields
@@ -33,7 +33,7 @@ from .workloads import as_workload, build_workload
 
 
 # ---- HF transformers baseline: the same requests in static batches --------------------------------------------
-def hf_generate_tier(model: Any, tokenizer: Any, requests: list[BenchRequest], batch_size: int) -> dict[str, Any]:
+def hf_generate_tier(model: Any, tokenizer: Any, requests: list[BenchRequest], batch_size: int) -> TierSummary:
     """Run `requests` through HF `generate` in static batches of `batch_size`, EOS ignored like the server.
 
     A batch runs until its longest request is done; only the tokens each request asked for count as output.
@@ -55,10 +55,8 @@ def hf_generate_tier(model: Any, tokenizer: Any, requests: list[BenchRequest], b
             out = model.generate(**enc, generation_config=config)
         generated += (out.shape[1] - enc["input_ids"].shape[1]) * len(batch)
     duration = time.perf_counter() - start
-    output_tokens = sum(r.max_tokens for r in requests)
-    return {"num_requests": len(requests), "completed": len(requests), "failed": 0, "duration_s": duration,
-            "batch_size": batch_size, "output_tokens": output_tokens, "generated_tokens": generated,
-            "output_tok_per_s": output_tokens / duration, "requests_per_s": len(requests) / duration}
+    return TierSummary.of_static_batches(len(requests), duration, sum(r.max_tokens for r in requests),
+                                         StaticBatches(batch_size, generated))
 
 
 def load_hf(model_path: Any, dtype: str) -> tuple[Any, Any]:
@@ -89,10 +87,10 @@ class RatioPair:
         return f"{self.numerator}_over_{self.denominator}"
 
 
-def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
-    if not a or not b or not b.get("output_tok_per_s") or a.get("failed") or b.get("failed"):
+def _ratio(a: TierSummary | None, b: TierSummary | None) -> float | None:
+    if a is None or b is None or not b.output_tok_per_s or a.failed or b.failed:
         return None
-    return a["output_tok_per_s"] / b["output_tok_per_s"]
+    return a.output_tok_per_s / b.output_tok_per_s
 
 
 def _ratio_pairs(systems: list[System]) -> list[RatioPair]:
@@ -102,7 +100,7 @@ def _ratio_pairs(systems: list[System]) -> list[RatioPair]:
     return pairs
 
 
-def _tier_ratios(results: dict[str, Any], systems: list[System]) -> dict[str, float]:
+def _tier_ratios(results: dict[str, TierSummary], systems: list[System]) -> dict[str, float]:
     ratios = {p.key: _ratio(results.get(p.numerator), results.get(p.denominator)) for p in _ratio_pairs(systems)}
     ratios["engine_over_hf"] = _ratio(results.get("continuous") or results.get("static"), results.get(HF))
     return {k: v for k, v in ratios.items() if v is not None}
@@ -111,7 +109,8 @@ def _tier_ratios(results: dict[str, Any], systems: list[System]) -> dict[str, fl
 def _tier_json(tier: Tier, systems: list[System], rate: float | None) -> dict[str, Any]:
     """A tier as the report holds it: the loop's figures, vLLM's run settings, the ratios (over rounds too)."""
     out = {"concurrency": tier.concurrency, "num_requests": tier.num_requests,
-           **vllm_run_fields(tier.concurrency, tier.num_requests, rate), "results": dict(tier.results),
+           **vllm_run_fields(tier.concurrency, tier.num_requests, rate),
+           "results": {label: r.to_json() for label, r in tier.results.items()},
            "ratios": _tier_ratios(tier.results, systems)}
     if tier.rounds is not None:
         out["rounds"] = tier.rounds
@@ -120,35 +119,53 @@ def _tier_json(tier: Tier, systems: list[System], rate: float | None) -> dict[st
     return out
 
 
-def _add_ceilings(results: dict[str, Any], systems: list[System], concurrency: int,
+def _add_ceilings(results: dict[str, TierSummary], systems: list[System], concurrency: int,
                   num_speculative_tokens: int) -> None:
     """At concurrency 1: each speculative system's ceiling from its measured costs (see spec_ceiling)."""
     if concurrency != 1:
         return
     for s in systems:
         res, plain = results.get(s.label), results.get(s.plain.label)
-        share = prefill_share(plain) if s.speculative and plain else None
-        if res and "speculative_engine" in res and share is not None:
-            res["speculative_ceiling"] = speculation_ceiling(TierSpeculation.from_json(res["speculative_engine"]),
-                                                             prefill_share=share,
-                                                             num_speculative_tokens=num_speculative_tokens)
+        share = plain.prefill_share if s.speculative and plain else None
+        if res and res.speculative_engine is not None and share is not None:
+            results[s.label] = dataclasses.replace(res, speculative_ceiling=speculation_ceiling(
+                res.speculative_engine, prefill_share=share, num_speculative_tokens=num_speculative_tokens))
 
 
-def _speculative_curve(tiers: list[dict[str, Any]], systems: list[System]) -> dict[str, list[dict[str, Any]]]:
+@dataclass(frozen=True)
+class CurvePoint:
+    """One point of a speculative system's speedup curve: spec / no-spec output tok/s at one concurrency, its
+    95% interval over rounds (when the run repeated them) and, at concurrency 1, its ceiling."""
+
+    concurrency: int
+    speedup: float
+    over_rounds: bool = False  # whether the run repeated the tier (then `ci95` is its interval, None if none)
+    ci95: list[float] | None = None
+    ceiling: SpeculationCeiling | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"concurrency": self.concurrency, "speedup": self.speedup}
+        if self.over_rounds:
+            out["ci95"] = self.ci95
+        if self.ceiling is not None:
+            out["ceiling"] = self.ceiling.measured_acceptance.request_speedup
+            out["ceiling_at_full_acceptance"] = self.ceiling.full_acceptance.request_speedup
+        return out
+
+
+def _speculative_curve(tiers: list[Tier], systems: list[System]) -> dict[str, list[CurvePoint]]:
     """Per speculative system: spec / no-spec output tok/s at each concurrency (the load-aware policy's curve),
     with its 95% interval over rounds when the run repeated them."""
-    curve: dict[str, list[dict[str, Any]]] = {}
+    curve: dict[str, list[CurvePoint]] = {}
     for tier in tiers:
         for pair in _ratio_pairs(systems):
-            if pair.speculative is None or pair.key not in tier["ratios"]:
+            speedup = _ratio(tier.results.get(pair.numerator), tier.results.get(pair.denominator))
+            if pair.speculative is None or speedup is None:
                 continue
-            point = {"concurrency": tier["concurrency"], "speedup": tier["ratios"][pair.key]}
-            if (over_rounds := tier.get("ratios_rounds", {}).get(pair.key)) is not None:
-                point["ci95"] = over_rounds["ci95"]
-            if ceiling := tier["results"][pair.numerator].get("speculative_ceiling"):
-                point["ceiling"] = ceiling["measured_acceptance"]["request_speedup"]
-                point["ceiling_at_full_acceptance"] = ceiling["full_acceptance"]["request_speedup"]
-            curve.setdefault(pair.numerator, []).append(point)
+            rounds = None if tier.rounds is None else ratio_rounds(tier.rounds, pair.numerator, pair.denominator)
+            curve.setdefault(pair.numerator, []).append(CurvePoint(
+                tier.concurrency, speedup, rounds is not None, None if rounds is None else rounds.get("ci95"),
+                tier.results[pair.numerator].speculative_ceiling))
     return curve
 
 
@@ -208,14 +225,14 @@ def _measurer(urls: dict[str, str], systems: list[System], model: str, *, arriva
     system, what its engine did meanwhile (two /metrics scrapes differenced)."""
     speculative = {s.label for s in systems if s.speculative}
 
-    def measure(label: str, reqs: list[BenchRequest], concurrency: int, seed: int) -> dict[str, Any]:
+    def measure(label: str, reqs: list[BenchRequest], concurrency: int, seed: int) -> TierSummary:
         before = scrape_speculative(urls[label], api_key) if label in speculative else None
         res, duration = asyncio.run(run_load(urls[label], model, reqs, concurrency=concurrency, rate=arrivals.rate,
                                              seed=seed, api=api, ignore_eos=ignore_eos, api_key=api_key,
                                              burstiness=arrivals.burstiness))
         summary = summarize(res, duration, slo=arrivals.slo, rate=arrivals.rate)
         if label in speculative and (engine := tier_delta(before, scrape_speculative(urls[label], api_key))):
-            summary["speculative_engine"] = engine.to_json()
+            summary = dataclasses.replace(summary, speculative_engine=engine)
         return summary
 
     return measure
@@ -271,28 +288,28 @@ def bench_serve(model: str = "default", engine: EngineConfig | None = None, *, e
                   "engine": dataclasses.asdict(engine),
                   "hf_note": "HF runs the tier's requests offline in static batches of the tier's concurrency "
                              "(no arrivals); only requested tokens count"}
-        prov = provenance(model=source.describe() if source else {"name": model, "endpoint": endpoint},
-                          workload_sha256=requests_sha256(loop.requests))
-        report = {**prov, "config": config, "complete": False, "tiers": []}
-        _measure_tiers(loop, tiers, report, hf, _Reporter(report, systems, rate, engine.num_speculative_tokens,
-                                                          on_tier))
+        inputs = {"model": source.describe() if source else {"name": model, "endpoint": endpoint},
+                  "workload_sha256": requests_sha256(loop.requests)}
+        report = {**provenance(**inputs), "config": config, "complete": False, "tiers": []}
+        _measure_tiers(loop, tiers, hf, _Reporter(report, systems, rate, engine.num_speculative_tokens, on_tier))
         if arrivals.slo is not None:
-            report["slo_sweep"] = _sweep_systems(loop, urls, model, arrivals, report, api=api,
+            report["slo_sweep"] = _sweep_systems(loop, urls, model, arrivals, tiers, api=api,
                                                  ignore_eos=ignore_eos, api_key=api_key)
     if rounds > 1:
-        report["inputs"]["rounds_workload_sha256"] = requests_sha256(loop.round_requests)
+        report["inputs"] = {**inputs, "rounds_workload_sha256": requests_sha256(loop.round_requests)}
     report["complete"] = True
     return report
 
 
-def _sweep_systems(loop: TierLoop, urls: dict[str, str], model: str, arrivals: Arrivals, report: dict[str, Any],
+def _sweep_systems(loop: TierLoop, urls: dict[str, str], model: str, arrivals: Arrivals, tiers: list[Tier],
                    **client: Any) -> dict[str, Any]:
-    """Each system's SLO sweep, open-loop (no concurrency cap), on prompts no tier had, after the tiers."""
+    """Each system's SLO sweep, open-loop (no concurrency cap), on prompts no tier had, after the tiers; each
+    starts at its closed-loop requests/s at the first tier unless the arrivals set a start."""
     assert arrivals.slo is not None
     out: dict[str, Any] = {}
     for label, url in urls.items():
-        first = report["tiers"][0]["results"].get(label) or {}
-        start = arrivals.slo_start_rate or first.get("requests_per_s") or 1.0
+        first = tiers[0].results.get(label)
+        start = arrivals.slo_start_rate or (first.requests_per_s if first else None) or 1.0
 
         def probe(rate: float, k: int, url: str = url) -> TierSummary:
             reqs = fresh_requests(loop.workload, arrivals.slo_requests, loop.requests + loop.round_requests,
@@ -326,17 +343,19 @@ class _Reporter:
     num_speculative_tokens: int
     on_tier: Callable[[dict[str, Any]], None] | None
 
+    tiers: dict[int, Tier] = field(default_factory=dict)  # the tiers measured so far, by index
+
     def __call__(self, t: int, tier: Tier) -> None:
         _add_ceilings(tier.results, self.systems, tier.concurrency, self.num_speculative_tokens)
-        tiers = self.report["tiers"]
-        tiers[t:t + 1] = [_tier_json(tier, self.systems, self.rate)]
-        self.report["speculative_curve"] = _speculative_curve(tiers, self.systems)
+        self.tiers[t] = tier
+        self.report["tiers"][t:t + 1] = [_tier_json(tier, self.systems, self.rate)]
+        curve = _speculative_curve([self.tiers[i] for i in sorted(self.tiers)], self.systems)
+        self.report["speculative_curve"] = {label: [p.to_json() for p in points] for label, points in curve.items()}
         if self.on_tier is not None:
             self.on_tier(self.report)
 
 
-def _measure_tiers(loop: TierLoop, tiers: list[Tier], report: dict[str, Any], hf: tuple[Any, Any] | None,
-                   reporter: _Reporter) -> None:
+def _measure_tiers(loop: TierLoop, tiers: list[Tier], hf: tuple[Any, Any] | None, reporter: _Reporter) -> None:
     """The loop's tiers and rounds, then (with --compare hf) HF generate on each tier's requests."""
 
     def hf_tier(t: int, tier: Tier) -> None:
@@ -352,34 +371,33 @@ def _measure_tiers(loop: TierLoop, tiers: list[Tier], report: dict[str, Any], hf
 
 
 def format_table(report: dict[str, Any]) -> str:
-    def ms(block: dict[str, Any] | None, key: str) -> str:
-        v = (block or {}).get(key)
-        return "-" if v is None else f"{1000 * v:.0f}"
+    """A `qtool bench serve` report (bench_serve's, or its JSON read back) as the terminal's table."""
+    def ms(d: Distribution) -> str:
+        return "/".join("-" if v is None else f"{1000 * v:.0f}" for v in (d.p50, d.p99))
 
     head = (f"{'system':<11}{'conc':>5}{'ok':>7}{'out tok/s':>11}{'req/s':>8}{'TTFT p50/p99 ms':>17}"
             f"{'TPOT p50/p99 ms':>17}{'ITL p50/p99 ms':>16}")
     lines = [head, "-" * len(head)]
     for tier in report["tiers"]:
-        for name, r in tier["results"].items():
-            lat = [f"{ms(r.get(k), 'p50')}/{ms(r.get(k), 'p99')}" for k in ("ttft_s", "tpot_s", "itl_s")]
-            lines.append(f"{name:<11}{tier['concurrency']:>5}{r['completed']:>4}/{r['num_requests']:<2}"
-                         f"{r['output_tok_per_s']:>11.1f}{r['requests_per_s']:>8.2f}{lat[0]:>17}{lat[1]:>17}"
-                         f"{lat[2]:>16}")
+        record = TierRecord.from_json(tier)
+        for name, r in record.results.items():
+            lines.append(f"{name:<11}{record.concurrency:>5}{r.completed:>4}/{r.num_requests:<2}"
+                         f"{r.output_tok_per_s:>11.1f}{r.requests_per_s:>8.2f}{ms(r.ttft):>17}{ms(r.tpot):>17}"
+                         f"{ms(r.itl):>16}")
         for k, v in tier["ratios"].items():
             over_rounds = tier.get("ratios_rounds", {}).get(k)
             lines.append(f"{'':<16}{k} = {v:.2f}x" + (_rounds_text(over_rounds) if over_rounds else ""))
-        for name, r in tier["results"].items():
-            if (block := r.get("speculative_engine")) is not None:
-                e = TierSpeculation.from_json(block)
+        for name, r in record.results.items():
+            if (e := r.speculative_engine) is not None:
                 lines.append(f"{'':<16}{name}: drafted {e.usage.draft_tokens}, accepted {e.usage.accepted_tokens} "
                              f"(by position {e.acceptance_by_position[:4]}), proposer {e.proposer_share:.0%}"
                              f" of spec time, draft cost r={e.draft_cost_ratio:.2f}, "
                              f"verify cost v={e.verify_cost_per_token:.2f}/token")
-            if (cl := r.get("speculative_ceiling")) is not None:
-                m, f = cl["measured_acceptance"], cl["full_acceptance"]
-                lines.append(f"{'':<16}{name}: ceiling at these costs {m['request_speedup']:.2f}x "
-                             f"(k={m['best_k']}), at acceptance 1 {f['request_speedup']:.2f}x (k={f['best_k']}); "
-                             f"prefill is {cl['prefill_share']:.0%} of a request")
+            if (cl := r.speculative_ceiling) is not None:
+                m, f = cl.measured_acceptance, cl.full_acceptance
+                lines.append(f"{'':<16}{name}: ceiling at these costs {m.request_speedup:.2f}x "
+                             f"(k={m.best_k}), at acceptance 1 {f.request_speedup:.2f}x (k={f.best_k}); "
+                             f"prefill is {cl.prefill_share:.0%} of a request")
     for label, sweep in (report.get("slo_sweep") or {}).items():
         cap = sweep["capacity_rps"]
         lines.append(f"{label}: capacity at {sweep['slo_text']}: "

@@ -15,7 +15,7 @@ moving estimates from the same tier, so they carry its noise (v at batch 1 moves
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -24,7 +24,6 @@ from ..engine.params import SpeculativeUsage
 from ..engine.speculative.policy import SpeculationPolicy
 from ..engine.stats import SpeculativeStats
 from ..server.metrics import parse_speculative
-from .summary import Distribution
 
 
 async def _get_metrics(base_url: str, api_key: str | None) -> str | None:
@@ -114,8 +113,48 @@ def _chosen_lengths(before: SpeculativeStats, after: SpeculativeStats) -> dict[i
     return out
 
 
+@dataclass(frozen=True)
+class CeilingPoint:
+    """The policy's best draft length at one acceptance, and the speedups it gives a decode step and a request."""
+
+    best_k: int
+    decode_speedup: float
+    request_speedup: float
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> CeilingPoint:
+        return cls(int(d["best_k"]), float(d["decode_speedup"]), float(d["request_speedup"]))
+
+
+@dataclass(frozen=True)
+class SpeculationCeiling:
+    """A bench result's `speculative_ceiling`: the best speedup the measured costs allow, at the measured
+    first-position acceptance and at acceptance 1 (see speculation_ceiling)."""
+
+    model: str
+    draft_cost_ratio: float
+    verify_cost_per_token: float
+    prefill_share: float
+    first_position_acceptance: float
+    measured_acceptance: CeilingPoint
+    full_acceptance: CeilingPoint
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "draft_cost_ratio": self.draft_cost_ratio,
+                "verify_cost_per_token": self.verify_cost_per_token, "prefill_share": self.prefill_share,
+                "first_position_acceptance": self.first_position_acceptance,
+                "measured_acceptance": asdict(self.measured_acceptance),
+                "full_acceptance": asdict(self.full_acceptance)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SpeculationCeiling:
+        return cls(d["model"], d["draft_cost_ratio"], d["verify_cost_per_token"], d["prefill_share"],
+                   d["first_position_acceptance"], CeilingPoint.from_json(d["measured_acceptance"]),
+                   CeilingPoint.from_json(d["full_acceptance"]))
+
+
 def speculation_ceiling(engine: TierSpeculation, *, num_speculative_tokens: int,
-                        prefill_share: float) -> dict[str, Any]:
+                        prefill_share: float) -> SpeculationCeiling:
     """Best speedup the measured costs allow: at the measured first-position acceptance, and at acceptance 1.
 
     decode = max over k <= K of E(a, k) / ((1 + k v) (1 + k r)), the policy's model of one step;
@@ -125,18 +164,12 @@ def speculation_ceiling(engine: TierSpeculation, *, num_speculative_tokens: int,
     policy = SpeculationPolicy(num_speculative_tokens)
     policy.draft_cost, policy.verify_cost = engine.draft_cost_ratio, engine.verify_cost_per_token
     measured = engine.acceptance_by_position[0] if engine.acceptance_by_position else 0.0
-    out: dict[str, Any] = {"model": "E(a,k) / ((1 + k v)(1 + k r)); request = 1 / (p + (1 - p) / decode)",
-                           "draft_cost_ratio": policy.draft_cost, "verify_cost_per_token": policy.verify_cost,
-                           "prefill_share": round(prefill_share, 4), "first_position_acceptance": measured}
-    for name, a in (("measured_acceptance", measured), ("full_acceptance", 1.0)):
+
+    def at(a: float) -> CeilingPoint:
         k, gain = policy.best_k(a)
         gain = max(gain, 1.0)  # below 1 the policy decodes plainly
-        out[name] = {"best_k": k, "decode_speedup": round(gain, 3),
-                     "request_speedup": round(1.0 / (prefill_share + (1.0 - prefill_share) / gain), 3)}
-    return out
+        return CeilingPoint(k, round(gain, 3), round(1.0 / (prefill_share + (1.0 - prefill_share) / gain), 3))
 
-
-def prefill_share(result: dict[str, Any]) -> float | None:
-    """Share of a request's time before its first token, from a tier summary at concurrency 1."""
-    ttft, latency = Distribution.from_json(result.get("ttft_s")).mean, Distribution.from_json(result.get("latency_s")).mean
-    return ttft / latency if ttft and latency else None
+    return SpeculationCeiling("E(a,k) / ((1 + k v)(1 + k r)); request = 1 / (p + (1 - p) / decode)",
+                              policy.draft_cost, policy.verify_cost, round(prefill_share, 4), measured, at(measured),
+                              at(1.0))

@@ -7,18 +7,26 @@ second that meet every SLO (`--goodput ttft:MS tpot:MS`, vllm/benchmarks/serve.p
 open-loop run whose completions come out slower than the requests arrive, or whose waits grow over the run, is
 past what the server carries (GuideLLM calls it over-saturation), and its latencies measure the queue's length,
 not the server: a sweep reports such a rate as saturated instead of averaging it in.
+
+A `TierSummary` is what every bench hands on for one system at one tier: the load client's figures, and beside them
+what the bench that measured it adds (the engine's speculation, its ceiling, the endpoint that served it, the KV
+cache's figures, HF generate's static batches). On disk it is one flat JSON object per system and tier, the shape
+bench JSONs have always had; `from_json` reads older ones too.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..engine.params import SpeculativeUsage
 from ..errors import QToolError
+from .spec_ceiling import SpeculationCeiling, TierSpeculation
 from .types import RequestResult
+from .vllm_names import is_vllm_metric
 
 # an open-loop run is saturated when completions leave at under this share of the offered rate ...
 MIN_ACHIEVED_SHARE = 0.85
@@ -145,9 +153,41 @@ def _trend_p(values: list[float]) -> float | None:
 
 
 @dataclass(frozen=True)
+class ServedBy:
+    """The endpoint a deployment bench's tier result comes from, and how many of its requests were sent again
+    after a 429/503."""
+
+    endpoint: str
+    model_id: str
+    retried_requests: int
+
+
+@dataclass(frozen=True)
+class KVFigures:
+    """The KV cache layer's figures beside a tier summary: the server's cache, its capacity and bytes per token
+    (from /metrics) and the preemptions during the tier."""
+
+    kv_cache_dtype: str
+    kv_capacity_tokens: int
+    kv_bytes_per_token: int
+    preemptions: float
+
+
+@dataclass(frozen=True)
+class StaticBatches:
+    """HF generate's run of a tier (`qtool bench serve --compare hf`): static batches of `batch_size`, offline,
+    so only counts and throughput, no latencies; `generated_tokens` includes what a batch's shorter requests
+    generated past their own length."""
+
+    batch_size: int
+    generated_tokens: int
+
+
+@dataclass(frozen=True)
 class TierSummary:
     """One system at one tier: counts, throughput, latency distributions (seconds), goodput when an SLO is
-    given, saturation when arrivals were open-loop."""
+    given, saturation when arrivals were open-loop; the speculation counters the server reported, the same run in
+    vLLM's names and units, and what the measuring bench adds (see the module's docstring)."""
 
     num_requests: int
     completed: int
@@ -164,10 +204,28 @@ class TierSummary:
     errors: list[str]
     goodput: float | None = None  # requests/s meeting every SLO (vLLM's request_goodput)
     saturation: Saturation | None = None
+    speculative: SpeculativeUsage | None = None  # the requests' usage blocks summed (a speculating server's)
+    # vLLM's name -> figure (vllm_names.vllm_metrics), kept as measured for a reader beside a vLLM run; qtoolkit
+    # reads its own fields above
+    vllm: dict[str, float | None] = field(default_factory=dict)
+    speculative_engine: TierSpeculation | None = None  # the engine's side, from /metrics (bench serve)
+    speculative_ceiling: SpeculationCeiling | None = None  # at concurrency 1 (bench serve)
+    served_by: ServedBy | None = None  # a deployment bench's endpoint
+    kv: KVFigures | None = None  # the KV cache layer's
+    static_batches: StaticBatches | None = None  # HF generate's tier
+
+    @property
+    def prefill_share(self) -> float | None:
+        """Share of a request's time before its first token (its mean TTFT over its mean latency)."""
+        ttft, latency = self.ttft.mean, self.e2el.mean
+        return ttft / latency if ttft and latency else None
 
     @classmethod
     def of(cls, results: list[RequestResult], duration: float, *, slo: SLO | None = None,
            rate: float | None = None) -> TierSummary:
+        """qtoolkit's figures of a tier: throughput over the whole run, latency distributions over completed
+        requests, goodput under `slo`, saturation under open-loop `rate` (load_client.summarize adds the
+        speculation counters and vLLM's figures)."""
         ok = [r for r in results if r.ok]
         out = sum(r.output_tokens for r in ok)
         tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok
@@ -180,9 +238,25 @@ class TierSummary:
                    None if slo is None else per_s(sum(slo.request_meets(r) for r in ok)),
                    None if not rate else Saturation.of(results, rate))
 
+    @classmethod
+    def of_static_batches(cls, num_requests: int, duration: float, output_tokens: int,
+                          batches: StaticBatches) -> TierSummary:
+        """HF generate's tier: every request completes; only the tokens each request asked for count."""
+        return cls(num_requests, num_requests, 0, duration, 0, output_tokens, output_tokens / duration,
+                   num_requests / duration, Distribution(), Distribution(), Distribution(), Distribution(), [],
+                   static_batches=batches)
+
     def to_json(self) -> dict[str, Any]:
-        """qtoolkit's keys (seconds; ttft_s / tpot_s / itl_s / latency_s with mean, p50, p90, p99)."""
-        out: dict[str, Any] = {
+        """qtoolkit's keys (seconds; ttft_s / tpot_s / itl_s / latency_s with mean, p50, p90, p99), then vLLM's
+        and the measuring bench's, in one flat object."""
+        if self.static_batches is not None:  # HF generate measures no latencies: its counts and throughput only
+            return {"num_requests": self.num_requests, "completed": self.completed, "failed": self.failed,
+                    "duration_s": self.duration_s, "batch_size": self.static_batches.batch_size,
+                    "output_tokens": self.output_tokens, "generated_tokens": self.static_batches.generated_tokens,
+                    "output_tok_per_s": self.output_tok_per_s, "requests_per_s": self.requests_per_s}
+        by = self.served_by
+        out: dict[str, Any] = {} if by is None else {"endpoint": by.endpoint, "model_id": by.model_id}
+        out |= {
             "num_requests": self.num_requests, "completed": self.completed, "failed": self.failed,
             "duration_s": self.duration_s, "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
             "output_tok_per_s": self.output_tok_per_s, "requests_per_s": self.requests_per_s,
@@ -192,14 +266,39 @@ class TierSummary:
             out["request_goodput"] = self.goodput
         if self.saturation is not None:
             out["saturation"] = asdict(self.saturation)
+        if self.speculative is not None:
+            out["speculative"] = self.speculative.as_dict()
+        out |= self.vllm
+        if self.speculative_engine is not None:
+            out["speculative_engine"] = self.speculative_engine.to_json()
+        if self.speculative_ceiling is not None:
+            out["speculative_ceiling"] = self.speculative_ceiling.to_json()
+        if self.kv is not None:
+            out |= asdict(self.kv)
+        if by is not None:
+            out["retried_requests"] = by.retried_requests
         return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TierSummary:
-        sat = d.get("saturation")
-        return cls(int(d["num_requests"]), int(d["completed"]), int(d["failed"]), float(d["duration_s"]),
+        """A tier result as any qtoolkit bench wrote it. Older files and HF generate's results lack some figures:
+        token counts read as 0, latencies and errors as not measured, and `num_requests` (absent before the
+        saturation check) as completed + failed, the requests the tier sent."""
+        sat, spec, engine, ceiling = (d.get(k) for k in ("saturation", "speculative", "speculative_engine",
+                                                          "speculative_ceiling"))
+        completed, failed = int(d["completed"]), int(d["failed"])
+        return cls(int(d.get("num_requests", completed + failed)), completed, failed, float(d["duration_s"]),
                    int(d.get("prompt_tokens", 0)), int(d.get("output_tokens", 0)), float(d["output_tok_per_s"]),
                    float(d["requests_per_s"]), Distribution.from_json(d.get("ttft_s")),
                    Distribution.from_json(d.get("tpot_s")), Distribution.from_json(d.get("itl_s")),
                    Distribution.from_json(d.get("latency_s")), list(d.get("errors") or []), d.get("request_goodput"),
-                   None if sat is None else Saturation(**sat))
+                   None if sat is None else Saturation(**sat),
+                   None if spec is None else SpeculativeUsage.from_dict(spec),
+                   {k: v for k, v in d.items() if is_vllm_metric(k)},
+                   None if engine is None else TierSpeculation.from_json(engine),
+                   None if ceiling is None else SpeculationCeiling.from_json(ceiling),
+                   ServedBy(d["endpoint"], d["model_id"], int(d.get("retried_requests", 0))) if "endpoint" in d
+                   else None,
+                   KVFigures(d["kv_cache_dtype"], int(d["kv_capacity_tokens"]), int(d["kv_bytes_per_token"]),
+                             float(d["preemptions"])) if "kv_capacity_tokens" in d else None,
+                   StaticBatches(int(d["batch_size"]), int(d["generated_tokens"])) if "batch_size" in d else None)

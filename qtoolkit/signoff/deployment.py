@@ -18,7 +18,7 @@ from qtoolkit.evals.runner import EvalConfig, evaluate
 from qtoolkit.evals.stats.paired import Level
 
 from ..bench.ablation import AblationBench
-from ..bench.deployment import ThroughputTable, bench_deployments, throughput_table
+from ..bench.deployment import DeploymentBench, ThroughputTable, bench_deployments
 from ..endpoints.deployment import Deployment, EndpointInfo, endpoint, probe
 from ..endpoints.identity import EndpointIdentity, fingerprint, settle
 from ..errors import QToolError
@@ -28,14 +28,14 @@ from ..model.sources import resolve_model
 from ..progress import status
 from ..provenance import provenance
 from ..quantize.report import QuantizeReport
-from . import verdicts
-from . import workload as custom_signoff
+from . import verdicts, workload
+from .error_spending import SequentialRecord
 from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
 from .sequential import eval_step
 from .speed import SpeedPlan
-from .steps import SignoffConfig, StepRunner, load_output
+from .steps import SignoffConfig, StepOutcome, StepRunner, load_output
 from .verdict import DeploymentSection, Evidence, NotMeasurable, SpeedSection, decide
 
 STEPS = ("checkpoint", "eval", "bench")
@@ -104,15 +104,15 @@ def signoff_deployments(cfg: SignoffConfig) -> dict[str, Any]:
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     steps = StepRunner(out)
-    custom_signoff.check_policy(policy, cfg.data)
-    tasks = custom_signoff.eval_tasks(policy, cfg.data)
+    workload.check_policy(policy, cfg.data)
+    tasks = workload.eval_tasks(policy, cfg.data)
     infos = {role: identify(out, deps[role], i) for role, i in infos.items()}
     served = {role: {"url": i.url, "model_id": i.model_id, "version": i.version, "server": i.server,
                      "identity": i.identity} for role, i in infos.items()}
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, StepOutcome] = {}
     quant = _checkpoint_report(deps["candidate"])
-    results["checkpoint"] = {"status": "ok", "note": "quantize_report.json of --model" if quant else
-                             "--model has no quantize_report.json"}
+    results["checkpoint"] = StepOutcome("ok", note="quantize_report.json of --model" if quant else
+                                        "--model has no quantize_report.json")
     results["eval"] = _eval_step(cfg, policy, deps, infos, steps, tasks,
                                  {"served": served, "tokenizers": {r: s.sha256 for r, s in sources.items()}})
     bench_kw = {"concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
@@ -140,13 +140,13 @@ def identify(out: Path, dep: Deployment, info: EndpointInfo) -> EndpointInfo:
 
 
 def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], infos: dict[str, EndpointInfo],
-               steps: StepRunner, tasks: str, identity: dict[str, Any]) -> dict[str, Any]:
+               steps: StepRunner, tasks: str, identity: dict[str, Any]) -> StepOutcome:
     """Both endpoints scored paired; as in the local sign-off, while a measurable quality gate is undecided and
     none failed, the undecided tasks draw more items up to --max-items (qtoolkit/signoff/sequential.py)."""
     out = Path(cfg.output)
     inputs = {**identity, "tasks": tasks, "limit": cfg.limit, "seed": cfg.seed}
     if cfg.data:  # an edited workload file is other evidence: its hash is in the key, as in the local sign-off
-        inputs["data"] = custom_signoff.data_inputs(cfg.data)
+        inputs["data"] = workload.data_inputs(cfg.data)
 
     def run(items: int, overwrite: bool, only: list[str] | None, level: Level) -> None:
         evaluate(EvalConfig(
@@ -160,7 +160,7 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
 
     def judge() -> tuple[list[Gate], list[Gate]]:
         evals = EvalResults.load(out / "eval.json")
-        return undecided_and_failed(custom_signoff.gate_policy(policy, evals, cfg.data), evals,
+        return undecided_and_failed(workload.gate_policy(policy, evals, cfg.data), evals,
                                     skip=lambda g: _unmeasurable_gate(g, evals, None) is not None)
 
     return eval_step(steps, out, inputs, policy, cfg.limit, cfg.max_items, run, judge)
@@ -173,7 +173,7 @@ def judge_deployment(cfg: SignoffConfig, policy: Policy, evals: EvalResults | No
     what the report lists as not measurable: the engine-only figures, the figures the endpoints could not score,
     and the gates marked outside the quality tasks (whose reasons the scores already give). `bench` (the two
     endpoints' tiers, rounds and capacity searches) feeds the speed gates."""
-    gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, cfg.data), evals, table, quant, bench)
+    gates = evaluate_gates(workload.gate_policy(policy, evals, cfg.data), evals, table, quant, bench)
     items = [NotMeasurable(k, what, why) for k, what, why in ALWAYS_NOT_MEASURABLE]
     for task, result in (evals.tasks if evals else {}).items():
         for nc in [] if result.summary is None else result.summary.not_computed:
@@ -189,15 +189,16 @@ def judge_deployment(cfg: SignoffConfig, policy: Policy, evals: EvalResults | No
 
 
 def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, EndpointInfo],
-                      results: dict[str, dict[str, Any]], quant: QuantizeReport | None) -> dict[str, Any]:
+                      results: dict[str, StepOutcome], quant: QuantizeReport | None) -> dict[str, Any]:
     out = Path(cfg.output)
-    steps = {n: results.get(n, {}) for n in STEPS}
-    evals = EvalResults.load(out / "eval.json") if steps["eval"].get("status") == "ok" else None
-    bench = load_output(out / "bench.json") if steps["bench"].get("status") == "ok" else None
-    table = throughput_table(bench) if bench else None
+    steps = {n: results.get(n) or StepOutcome(None) for n in STEPS}
+    evals = EvalResults.load(out / "eval.json") if steps["eval"].ok else None
+    bench = load_output(out / "bench.json") if steps["bench"].ok else None
+    table = DeploymentBench.from_json(bench).table() if bench else None
     speed_bench = AblationBench.from_json(bench) if bench else None
     gates, not_measurable = judge_deployment(cfg, policy, evals, table, quant, speed_bench)
-    evidence = Evidence(steps, gates, evals, load_output(out / "sequential.json"), quant.summary if quant else None)
+    evidence = Evidence(steps, gates, evals, SequentialRecord.load(out / "sequential.json"),
+                        quant.summary if quant else None)
     evidence.speed = SpeedSection.of(speed_bench, policy)  # the report's first lines
     deployment = DeploymentSection({r: asdict(i) for r, i in infos.items()}, table, not_measurable)
     # the recipe the served checkpoint was made with, as its quantize_report.json says

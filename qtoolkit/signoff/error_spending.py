@@ -31,9 +31,12 @@ could reach K x 5%. Here the 5% is spent over the planned looks instead:
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 ALPHA = 0.05  # the overall chance that a decisive gate is wrong, over all its looks (the report's claim)
 SPEND = ALPHA  # the error the looks share between them, each look's split between its two ends (docstring)
@@ -92,3 +95,81 @@ def plan(items: Sequence[int], alpha: float | None = None) -> Design:
     """The design over the planned looks' item counts (qtoolkit.signoff.sequential.stages); `alpha` overrides
     the nominal error spent (the coverage simulation compares spends)."""
     return Design(tuple(int(n) for n in items), SPEND if alpha is None else alpha)
+
+
+@dataclass(frozen=True)
+class DesignRecord:
+    """A design as sequential.json holds it: its name, the planned looks' item counts, each look's level and the
+    error spent by each."""
+
+    name: str
+    planned_items: list[int]
+    levels: list[float]
+    alpha_spent: list[float]
+
+    @classmethod
+    def of(cls, design: Design) -> DesignRecord:
+        return cls(design.describe(), list(design.items), [round(c, 6) for c in design.levels], list(design.spent))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "planned_items": list(self.planned_items), "levels": list(self.levels),
+                "alpha_spent": list(self.alpha_spent)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> DesignRecord:
+        return cls(str(d.get("name", "")), [int(n) for n in d.get("planned_items") or []],
+                   [float(c) for c in d.get("levels") or []], [float(a) for a in d.get("alpha_spent") or []])
+
+
+@dataclass(frozen=True)
+class LookRecord:
+    """One look of the eval step: the items drawn, the gates still undecided and those failed (by name), and the
+    level its intervals were computed at (absent in files from before error spending)."""
+
+    items: int
+    undecided: list[str]
+    failed: list[str]
+    confidence: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"items": self.items, "undecided": list(self.undecided), "failed": list(self.failed),
+                "confidence": self.confidence}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> LookRecord:
+        return cls(int(d["items"]), list(d.get("undecided") or []), list(d.get("failed") or []),
+                   d.get("confidence"))
+
+
+@dataclass(frozen=True)
+class SequentialRecord:
+    """sequential.json: the looks the eval step took, its item budget, and the design that set the looks' levels
+    with the overall error it bounds (a file from before error spending has no design: each look judged 95%)."""
+
+    looks: list[LookRecord]
+    max_items: int | None
+    design: DesignRecord | None = None
+    error_rate_bound: float | None = None
+
+    def with_design(self, design: Design) -> SequentialRecord:
+        """The looks under `design` as this code spends the error (--rejudge judges every look's task at it)."""
+        return SequentialRecord(self.looks, self.max_items, DesignRecord.of(design), ALPHA)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"looks": [x.to_json() for x in self.looks], "max_items": self.max_items}
+        if self.design is not None:
+            out["design"] = self.design.to_json()
+        if self.error_rate_bound is not None:
+            out["error_rate_bound"] = self.error_rate_bound
+        return out
+
+    @classmethod
+    def load(cls, path: Path) -> SequentialRecord | None:
+        """sequential.json at `path`; None when the eval step wrote none."""
+        return cls.from_json(json.loads(path.read_text())) if path.is_file() else None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SequentialRecord:
+        design = d.get("design")
+        return cls([LookRecord.from_json(x) for x in d.get("looks") or []], d.get("max_items"),
+                   None if design is None else DesignRecord.from_json(design), d.get("error_rate_bound"))

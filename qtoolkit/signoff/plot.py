@@ -2,18 +2,21 @@
 
 An eval JSON gives the KLD distribution (the report's `plot_kld`) and, per task, each paired delta with its 95% CI
 (the report's quality plot, without a policy's limits). A bench JSON gives output tok/s per system over the
-concurrency tiers (the report's throughput plot) and TTFT / TPOT medians in vLLM's milliseconds.
+concurrency tiers (the report's throughput plot) and TTFT / TPOT medians in milliseconds.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
 
+from ..bench.loop import TierRecord
+from ..bench.summary import Distribution, TierSummary
 from ..errors import DataError
 from ..evals.results import EvalResults
 from ..evals.summary import PairedDelta, TaskSummary, figure_from_json
@@ -59,19 +62,31 @@ def plot_eval_deltas(evals: EvalResults) -> str | None:
     return png(fig)
 
 
+def _median_ms(d: Distribution) -> float | None:
+    return None if d.p50 is None else 1000 * d.p50
+
+
+# each plot: its name, the figure of a tier summary, the axis label and the title
+_BENCH_PLOTS: tuple[tuple[str, Callable[[TierSummary], float | None], str, str], ...] = (
+    ("output_tok_per_s", lambda s: s.output_tok_per_s, "output tokens/s", "Throughput per system"),
+    ("ttft", lambda s: _median_ms(s.ttft), "median TTFT (ms)", "Time to first token per system"),
+    ("tpot", lambda s: _median_ms(s.tpot), "median TPOT (ms)", "Time per output token per system"))
+
+
 def plot_bench(data: dict[str, Any]) -> dict[str, str | None]:
+    """A `qtool bench serve` result's plots: each figure per system over the tiers' concurrency, and the ratios
+    over rounds."""
     tiers = data.get("tiers") or []
     if not tiers:
         return {}
+    records = [TierRecord.from_json(t) for t in tiers]
     plots: dict[str, str | None] = {}
-    for key, label, title in (("output_tok_per_s", "output tokens/s", "Throughput per system"),
-                              ("median_ttft_ms", "median TTFT (ms)", "Time to first token per system"),
-                              ("median_tpot_ms", "median TPOT (ms)", "Time per output token per system")):
+    for name, figure, label, title in _BENCH_PLOTS:
         series: dict[str, list[tuple[int, float]]] = {}
-        for tier in tiers:
-            for system, r in tier["results"].items():
-                if r.get(key) is not None:
-                    series.setdefault(system, []).append((tier["concurrency"], r[key]))
+        for tier in records:
+            for system, r in tier.results.items():
+                if (value := figure(r)) is not None:
+                    series.setdefault(system, []).append((tier.concurrency, value))
         if not series:
             continue
         fig = Figure(figsize=(6.5, 3.6))
@@ -80,7 +95,7 @@ def plot_bench(data: dict[str, Any]) -> dict[str, str | None]:
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, marker="o", label=system)
         _concurrency_axes(ax, label, title)
-        plots[key.removesuffix("_ms").replace("median_", "")] = png(fig)
+        plots[name] = png(fig)
     if ratios := _bench_ratios_over_rounds(tiers):
         plots["ratios"] = ratios
     return plots

@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 
 from ..bench.ablation import AblationTable
 from ..diagnose.result import DiagnoseResult
+from ..evals.custom_summary import ItemRegression
 from ..evals.results import EvalResults
 from ..evals.summary import RoundsRatio, TaskSummary
 from ..io import write_json, write_text
@@ -210,8 +211,8 @@ def markdown(report: SignoffReport) -> str:
         lines += ["", "## How to read this verdict", ""] + [f"- {n}" for n in report.reading]
     lines += ["", "## Steps", "", "| step | status | seconds | note |", "|---|---|---|---|"]
     for name, s in ev.steps.items():  # steps.json's entries
-        note = s.get("error") or s.get("reason") or ("reused" if s.get("skipped") else "")
-        lines.append(f"| {name} | {s.get('status')} | {fmt(s.get('seconds'))} | {table_cell(note)} |")
+        note = s.error or s.reason or ("reused" if s.reused else "")
+        lines.append(f"| {name} | {s.status} | {fmt(s.seconds)} | {table_cell(note)} |")
     lines += deployment_lines(report.deployment)  # endpoints, their bench tiers, what they cannot give
     lines += ablation_lines(ev.ablation) + kv_layer_lines(ev.kv_layer)
     evals = ev.evals or EvalResults({})
@@ -326,13 +327,11 @@ def custom_regression_lines(evals: EvalResults) -> list[str]:
             continue
         lines += ["| line | id | kind | prompt | tests (cand/base) | ROUGE-L drop | mean KLD | NLL delta | "
                   "tokens (cand/base) | candidate answer | baseline answer |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for x in worst:
-            p = x.get("passed")
-            passed = "-" if p is None else "/".join("pass" if p[k] else "fail" for k in ("candidate", "baseline"))
-            lines.append(f"| {x['line']} | {cell(x['id'])} | {x['kind']} | {cell(x['prompt'])} | {passed} | "
-                         f"{fmt(x['rougeL_drop'])} | {fmt(x['kld_mean'])} | {fmt(x['nll_delta'])} | "
-                         f"{x['tokens']['candidate']}/{x['tokens']['baseline']} | {cell(x['candidate'])} | "
-                         f"{cell(x['baseline'])} |")
+        for x in map(ItemRegression.from_json, worst):
+            passed = "-" if x.passed is None else "/".join("pass" if p else "fail" for p in x.passed)
+            lines.append(f"| {x.line} | {cell(x.id)} | {x.kind} | {cell(x.prompt)} | {passed} | "
+                         f"{fmt(x.rougeL_drop)} | {fmt(x.kld_mean)} | {fmt(x.nll_delta)} | "
+                         f"{x.tokens[0]}/{x.tokens[1]} | {cell(x.candidate)} | {cell(x.baseline)} |")
         lines.append("")
     return lines
 

@@ -31,15 +31,15 @@ from ..quantize.plausibility import check_source
 from ..quantize.recipe import Recipe, load_recipe
 from ..quantize.report import QuantizeReport
 from ..quantize.run import quantize
-from . import workload as custom_signoff
+from . import workload
 from .deployment import signoff_deployments
-from .error_spending import plan
+from .error_spending import SequentialRecord, plan
 from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
-from .sequential import describe_design, eval_step, planned_items
+from .sequential import eval_step, planned_items
 from .speed import SpeedPlan
-from .steps import STEPS, SignoffConfig, StepRunner, load_output
+from .steps import STEPS, SignoffConfig, StepOutcome, StepRunner
 from .verdict import Evidence, SpeedSection, decide
 
 __all__ = ["Gate", "SignoffConfig", "evaluate_gates", "signoff"]
@@ -58,7 +58,7 @@ def check_config(cfg: SignoffConfig) -> Policy:
     if cfg.max_items is not None and cfg.max_items < cfg.limit:
         raise QToolError(f"--max-items ({cfg.max_items}) must be at least --limit ({cfg.limit})")
     policy = load_policy(cfg.policy)
-    custom_signoff.check_policy(policy, cfg.data)
+    workload.check_policy(policy, cfg.data)
     if ("code" in policy.tasks or not policy.tasks) and not cfg.rejudge:
         require(cfg.allow_weak_sandbox)  # fail closed before any work: model-written code needs the sandbox
     return policy
@@ -117,7 +117,7 @@ class SignoffRun:
     source: ModelSource
     out: Path
     runner: StepRunner
-    results: dict[str, dict[str, Any]] | None = None
+    results: dict[str, StepOutcome] | None = None
     quant: QuantizeReport | None = None
     tasks: str = ""
     data: list[dict[str, str]] | None = None  # the workload files' hashes, in the steps' reuse keys
@@ -129,7 +129,7 @@ class SignoffRun:
         if self.quant:
             self.bench_step()
         else:
-            self.results["bench"] = {"status": "error", "error": "skipped: no quantized checkpoint"}
+            self.results["bench"] = StepOutcome.failed("skipped: no quantized checkpoint")
         self.diagnose_step(lambda path: write_json(path, diagnose(
             str(self.source.path), batches=self.cfg.diagnose_batches, prompt_lengths=(64, 512)).to_json()))
 
@@ -143,19 +143,18 @@ class SignoffRun:
         """Quantize, then evaluate the candidate against the baseline (when quantizing worked)."""
         cfg, out, source = self.cfg, self.out, self.source
         self.results = {}
-        self.tasks = custom_signoff.eval_tasks(self.policy, cfg.data)
-        self.data = custom_signoff.data_inputs(cfg.data)
+        self.tasks = workload.eval_tasks(self.policy, cfg.data)
+        self.data = workload.data_inputs(cfg.data)
         ckpt = out / "checkpoint"
         self.results["quantize"] = self.runner.run(
             "quantize", {"model": source.sha256, "recipe": self.recipe.sha256}, ckpt / "quantize_report.json",
             lambda: quantize(source.path, cfg.recipe, ckpt, overwrite=True))
-        self.quant = QuantizeReport.load(ckpt / "quantize_report.json") if self.results["quantize"]["status"] == "ok" \
-            else None
+        self.quant = QuantizeReport.load(ckpt / "quantize_report.json") if self.results["quantize"].ok else None
         if self.quant:
             self.kv = resolve_kv_dtype(cfg.kv_cache_dtype, ckpt)
             self.eval_step(self.cand_key)
         else:
-            self.results["eval"] = {"status": "error", "error": "skipped: no quantized checkpoint"}
+            self.results["eval"] = StepOutcome.failed("skipped: no quantized checkpoint")
 
     def diagnose_step(self, write: Callable[[Path], None]) -> None:
         """The baseline model's diagnosis (`write(path)` produces it: measured, or copied from a sweep's one)."""
@@ -185,7 +184,7 @@ class SignoffRun:
 
         def judge() -> tuple[list[Gate], list[Gate]]:
             evals = EvalResults.load(out / "eval.json")
-            return undecided_and_failed(custom_signoff.gate_policy(policy, evals, cfg.data), evals)
+            return undecided_and_failed(workload.gate_policy(policy, evals, cfg.data), evals)
 
         self.results["eval"] = eval_step(self.runner, out, inputs, policy, cfg.limit, cfg.max_items, run, judge)
 
@@ -202,7 +201,7 @@ class SignoffRun:
         plan = SpeedPlan.of(policy, cfg.rounds, cfg.max_rounds)
         kwargs = {"concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
                   "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed, "rounds": cfg.rounds,
-                  "repeat": repeat, "workload": custom_signoff.bench_workload(cfg.data, self.out / "eval.json"),
+                  "repeat": repeat, "workload": workload.bench_workload(cfg.data, self.out / "eval.json"),
                   "speed": plan.speed, "capacity": plan.capacity}
         inputs = {"candidate": self.cand_key, "baseline": self.source.sha256, "systems": [s.label for s in BASE_SYSTEMS],
                   "concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
@@ -252,18 +251,18 @@ def _rejudge(cfg: SignoffConfig, policy: Policy, out: Path) -> dict[str, Any]:
     runner = StepRunner(out)
     state = runner.state
     runner.lock.release()  # judging again writes only the reports
-    results = {n: state.get(n) or {"status": "error", "error": "never ran"} for n in STEPS}
+    results = {n: state.get(n) or StepOutcome.failed("never ran") for n in STEPS}
     ckpt_report = out / "checkpoint" / "quantize_report.json"
-    quant = QuantizeReport.load(ckpt_report) if results["quantize"]["status"] == "ok" else None
+    quant = QuantizeReport.load(ckpt_report) if results["quantize"].ok else None
     recipe = quant.recipe.to_json() if quant else {"name": cfg.recipe, "sha256": None}
-    evals, sequential = None, load_output(out / "sequential.json")
-    if results["eval"].get("status") == "ok":
+    evals, sequential = None, SequentialRecord.load(out / "sequential.json")
+    if results["eval"].ok:
         _check_rejudge_data(EvalResults.load(out / "eval.json"), cfg.data)
         planned = planned_items(sequential) or [cfg.limit]
         design = plan(planned)
         evals = resummarize(out / "eval.json", design.level_at, len(design.items), cfg.task_options())
         if sequential is not None:
-            sequential = describe_design(sequential, design)
+            sequential = sequential.with_design(design)
     return decide_and_write(cfg, policy, recipe, {"spec": cfg.model}, out, results, quant, evals=evals,
                    sequential=sequential)
 
@@ -272,7 +271,7 @@ def _check_rejudge_data(evals: EvalResults, data: list[str]) -> None:
     """The workload gates are judged only with the run's own --data files: without them a custom task's gates
     would silently drop out of the verdict (a FAIL could become a PASS)."""
     judged = {t for t in evals.tasks if t.startswith("custom:")}
-    given = set(custom_signoff.custom_tasks(data))
+    given = set(workload.custom_tasks(data))
     if judged - given:
         raise QToolError(f"this run judged workload file(s) {', '.join(sorted(judged))}: pass the same --data "
                          "FILE(s) to --rejudge, or its workload gates would drop out of the verdict")
@@ -282,14 +281,15 @@ def _check_rejudge_data(evals: EvalResults, data: list[str]) -> None:
 
 
 def decide_and_write(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: dict[str, Any], out: Path,
-                     results: dict[str, dict[str, Any]], quant: QuantizeReport | None, *,
-                     evals: EvalResults | None = None, sequential: dict[str, Any] | None = None) -> dict[str, Any]:
+                     results: dict[str, StepOutcome], quant: QuantizeReport | None, *,
+                     evals: EvalResults | None = None, sequential: SequentialRecord | None = None) -> dict[str, Any]:
     """The evidence in `out` read once (Evidence.load), judged, decided, and written as report.{json,md,html}."""
-    evidence = Evidence.load(out, {n: results.get(n, {}) for n in STEPS}, evals=evals, sequential=sequential,
+    evidence = Evidence.load(out, {n: results.get(n) or StepOutcome(None) for n in STEPS}, evals=evals,
+                             sequential=sequential,
                              quant=quant.summary if quant else None)
     bench = evidence.bench
     evidence.speed = SpeedSection.of(bench, policy)  # the report's first lines
-    evidence.gates = evaluate_gates(custom_signoff.gate_policy(policy, evidence.evals, cfg.data), evidence.evals,
+    evidence.gates = evaluate_gates(workload.gate_policy(policy, evidence.evals, cfg.data), evidence.evals,
                                     evidence.ablation, evidence.quant, bench)
     report = decide(evidence, config=asdict(cfg), policy=policy, provenance=provenance(
         model=model, recipe=recipe, policy={"name": policy.name, "path": policy.source}))

@@ -19,10 +19,10 @@ from typing import Any
 
 from ..evals.stats.paired import Level
 from ..io import write_json
-from .error_spending import ALPHA, Design, plan
+from .error_spending import ALPHA, Design, DesignRecord, LookRecord, SequentialRecord, plan
 from .judge import Gate
 from .policy import Policy
-from .steps import StepRunner
+from .steps import StepOutcome, StepRunner
 
 Run = Callable[[int, bool, list[str] | None, Level], None]
 Judge = Callable[[], tuple[list[Gate], list[Gate]]]
@@ -35,9 +35,10 @@ class Look:
     failed: list[Gate]
     confidence: float = 0.95  # the level this look's intervals were computed at (error_spending.Design)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"items": self.items, "undecided": [g.name for g in self.undecided],
-                "failed": [g.name for g in self.failed], "confidence": self.confidence}
+    def record(self) -> LookRecord:
+        """The look as sequential.json holds it (gates by name)."""
+        return LookRecord(self.items, [g.name for g in self.undecided], [g.name for g in self.failed],
+                          self.confidence)
 
 
 def stages(limit: int, max_items: int | None) -> list[int]:
@@ -66,7 +67,7 @@ def draw_until_decisive(run: Run, judge: Judge, limit: int, max_items: int | Non
 
 
 def eval_step(runner: StepRunner, out: Path, inputs: dict[str, Any], policy: Policy, limit: int,
-              max_items: int | None, run: Run, judge: Judge) -> dict[str, Any]:
+              max_items: int | None, run: Run, judge: Judge) -> StepOutcome:
     """The eval step of a local and of a deployment sign-off: `run` scores the items (eval.json, written per
     batch, so a rerun with the same inputs resumes its finished items), `judge` reads the quality gates after
     each look, and the looks go to sequential.json. How many items get drawn depends on the quality bounds when
@@ -77,7 +78,7 @@ def eval_step(runner: StepRunner, out: Path, inputs: dict[str, Any], policy: Pol
 
     def do_eval() -> None:
         looks = draw_until_decisive(run, judge, limit, max_items, resume=resume)
-        write_json(out / "sequential.json", describe(looks, max_items))
+        write_json(out / "sequential.json", describe(looks, max_items).to_json())
 
     return runner.run("eval", inputs, out / "eval.json", do_eval)
 
@@ -87,26 +88,14 @@ def design_of(limit: int, max_items: int | None) -> Design:
     return plan(stages(limit, max_items))
 
 
-def design_json(design: Design) -> dict[str, Any]:
-    return {"name": design.describe(), "planned_items": list(design.items),
-            "levels": [round(c, 6) for c in design.levels], "alpha_spent": list(design.spent)}
-
-
-def planned_items(sequential: dict[str, Any] | None) -> list[int] | None:
+def planned_items(sequential: SequentialRecord | None) -> list[int] | None:
     """The looks' item counts a sequential.json planned; None for a run without one (or from before designs)."""
-    design = sequential.get("design") if sequential else None
-    return list(design["planned_items"]) if design and design.get("planned_items") else None
+    design = None if sequential is None else sequential.design
+    return list(design.planned_items) if design is not None and design.planned_items else None
 
 
-def describe_design(sequential: dict[str, Any], design: Design) -> dict[str, Any]:
-    """sequential.json with its design as this code spends it (--rejudge re-judges every look's task at it)."""
-    return {**sequential, "design": design_json(design), "error_rate_bound": ALPHA}
-
-
-def describe(looks: list[Look], max_items: int | None) -> dict:
+def describe(looks: list[Look], max_items: int | None) -> SequentialRecord:
     """What sequential.json holds: the looks taken and the design that set their levels. The design is planned
     from the first look's size and the budget, so it is the same whether the draw stopped early or not."""
     design = design_of(looks[0].items if looks else max_items or 1, max_items)
-    return {"looks": [x.to_json() for x in looks], "max_items": max_items,
-            "design": design_json(design),
-            "error_rate_bound": ALPHA}
+    return SequentialRecord([x.record() for x in looks], max_items, DesignRecord.of(design), ALPHA)

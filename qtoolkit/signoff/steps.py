@@ -1,4 +1,5 @@
-"""What a sign-off is asked (SignoffConfig) and how its steps run once per input hash (StepRunner, steps.json)."""
+"""What a sign-off is asked (SignoffConfig) and how its steps run once per input hash (StepRunner, steps.json),
+each step's outcome a StepOutcome."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,42 @@ STEPS = ("quantize", "eval", "bench", "diagnose")
 def load_output(path: Path) -> dict[str, Any] | None:
     """A step's JSON output as written, or None when the step wrote none."""
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """How a step ended: its entry in steps.json, and in report.json's `steps` without its reuse key."""
+
+    status: str | None  # running | ok | error | skipped; None for a step the sign-off never reached
+    key: str | None = None  # the hash of its inputs and code (StepRunner.key)
+    output: str | None = None  # the file it wrote
+    error: str | None = None
+    traceback: str | None = None  # an unexpected exception's
+    reason: str | None = None  # why a skipped step was not needed
+    note: str | None = None  # a deployment sign-off's checkpoint entry: where its quantize report came from
+    seconds: float | None = None
+    reused: bool = False  # an earlier run's output, taken as it was (`"skipped": true` in the JSON)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @classmethod
+    def failed(cls, error: str) -> StepOutcome:
+        """A step that could not run (no quantized checkpoint, never reached)."""
+        return cls("error", error=error)
+
+    def to_json(self, key: bool = True) -> dict[str, Any]:
+        """The entry as steps.json holds it (`key` False: as report.json does, without the reuse key)."""
+        fields = (("key", self.key if key else None), ("status", self.status), ("output", self.output),
+                  ("error", self.error), ("traceback", self.traceback), ("reason", self.reason),
+                  ("note", self.note), ("seconds", self.seconds), ("skipped", self.reused or None))
+        return {name: value for name, value in fields if value is not None}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StepOutcome:
+        return cls(d.get("status"), d.get("key"), d.get("output"), d.get("error"), d.get("traceback"),
+                   d.get("reason"), d.get("note"), d.get("seconds"), bool(d.get("skipped")))
 
 
 @dataclass
@@ -70,7 +107,11 @@ class StepRunner:
         self.folder = folder
         self.path = folder / "steps.json"
         self.lock = lock_output(self.path)  # one sign-off at a time per folder: a second fails at once
-        self.state: dict[str, Any] = read_results_json(self.path) if self.path.is_file() else {}
+        state = read_results_json(self.path) if self.path.is_file() else {}
+        self.state: dict[str, StepOutcome] = {n: StepOutcome.from_json(e) for n, e in state.items()}
+
+    def _write(self) -> None:
+        write_json(self.path, {n: o.to_json() for n, o in self.state.items()})
 
     @staticmethod
     def key(inputs: dict[str, Any]) -> str:
@@ -80,50 +121,50 @@ class StepRunner:
 
     def finished(self, name: str, inputs: dict[str, Any], output: Path) -> bool:
         """An earlier run with the same inputs finished the step and its output is there."""
-        prev = self.state.get(name) or {}
-        return prev.get("key") == self.key(inputs) and prev.get("status") == "ok" and output.exists()
+        prev = self.state.get(name)
+        return prev is not None and prev.key == self.key(inputs) and prev.ok and output.exists()
 
     def interrupted(self, name: str, inputs: dict[str, Any]) -> bool:
         """True when an earlier run of this step, with the same inputs, stopped midway (its partial output can
         be resumed rather than discarded)."""
-        prev = self.state.get(name) or {}
-        return prev.get("key") == self.key(inputs) and prev.get("status") != "ok"
+        prev = self.state.get(name)
+        return prev is not None and prev.key == self.key(inputs) and not prev.ok
 
-    def skip(self, name: str, reason: str) -> dict[str, Any]:
+    def skip(self, name: str, reason: str) -> StepOutcome:
         """Record that a step was not needed (a sweep does not benchmark a candidate a gate has already failed)."""
-        self.state[name] = {"status": "skipped", "reason": reason}
-        write_json(self.path, self.state)
+        self.state[name] = StepOutcome("skipped", reason=reason)
+        self._write()
         status(f"{name}: skipped: {reason}")
         return self.state[name]
 
-    def run(self, name: str, inputs: dict[str, Any], output: Path, fn: Callable[[], None]) -> dict[str, Any]:
+    def run(self, name: str, inputs: dict[str, Any], output: Path, fn: Callable[[], None]) -> StepOutcome:
         """Run `fn` unless an earlier run with the same inputs finished it. "ok" is recorded only after `fn` has
         returned, i.e. after its output was written in full (atomically), so a step killed at any point is
         never taken as finished."""
         key = self.key(inputs)
         prev = self.state.get(name)
-        if self.finished(name, inputs, output):
+        if prev is not None and self.finished(name, inputs, output):
             status(f"{name}: up to date ({output.name}), skipped")
-            return {**prev, "skipped": True}
+            return replace(prev, reused=True)
         status(f"{name}: running")
-        self.state[name] = {"key": key, "status": "running"}
-        write_json(self.path, self.state)
+        self.state[name] = StepOutcome("running", key)
+        self._write()
         t = time.perf_counter()
         try:
             fn()
-            entry = {"key": key, "status": "ok", "output": output.name}
+            entry = StepOutcome("ok", key, output=output.name)
         except OutputWriteError:
             # no room for outputs: every later step would fail the same way. The step stays "running" in
             # steps.json (never ok), so the rerun after space is freed resumes it
             raise
         except QToolError as e:
-            entry = {"key": key, "status": "error", "error": str(e)}
+            entry = StepOutcome("error", key, error=str(e))
         except Exception as e:  # a bug or a library failure: keep the report, mark the step
-            entry = {"key": key, "status": "error", "error": f"{type(e).__name__}: {e}",
-                     "traceback": traceback.format_exc(limit=8)}
-        entry["seconds"] = round(time.perf_counter() - t, 1)
+            entry = StepOutcome("error", key, error=f"{type(e).__name__}: {e}",
+                                traceback=traceback.format_exc(limit=8))
+        entry = replace(entry, seconds=round(time.perf_counter() - t, 1))
         self.state[name] = entry
-        write_json(self.path, self.state)
-        if entry["status"] != "ok":
-            status(f"{name}: FAILED: {entry['error']}")
+        self._write()
+        if not entry.ok:
+            status(f"{name}: FAILED: {entry.error}")
         return entry

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bench.ablation import AblationBench, bench_candidates
-from ..bench.deployment import throughput_table
+from ..bench.deployment import DeploymentBench
 from ..bench.kv_layer import UNQUANTIZED
 from ..bench.memory import peak_memory
 from ..diagnose.run import diagnose
@@ -31,8 +31,7 @@ from ..model.sources import ModelSource, resolve_model
 from ..progress import status
 from ..quantize.plausibility import check_source
 from ..quantize.recipe import Recipe, load_recipe
-from . import verdicts
-from . import workload as custom_signoff
+from . import verdicts, workload
 from .deployment import judge_deployment, signoff_deployments
 from .family import FamilyJudgement, Rejudge, fallback, judge_at, look_levels
 from .judge import Gate, evaluate_gates
@@ -146,10 +145,10 @@ def _start(c: Candidate, policy: Policy, recipe: Recipe, source: ModelSource) ->
 def _already_failed(c: Candidate, policy: Policy) -> str | None:
     """Why benchmarking `c` cannot change its verdict (a failed step or gate), or None."""
     assert c.run is not None and c.run.results is not None
-    if c.run.quant is None or c.run.results.get("eval", {}).get("status") != "ok":
+    if c.run.quant is None or "eval" not in c.run.results or not c.run.results["eval"].ok:
         return "its quantize or eval step did not finish"
     evals = EvalResults.load(c.folder / "eval.json")
-    gates = evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals, None, c.run.quant)
+    gates = evaluate_gates(workload.gate_policy(policy, evals, c.cfg.data), evals, None, c.run.quant)
     failed = [g.name for g in gates if g.verdict == verdicts.FAIL]
     if not failed:
         return None
@@ -199,8 +198,8 @@ def _diagnose(cands: list[Candidate], shared: StepRunner, cfg: SignoffConfig, so
                                                          prompt_lengths=(64, 512)).to_json()))
 
     def copy(dest: Path) -> None:
-        if entry.get("status") != "ok":
-            raise QToolError(f"the sweep's diagnosis failed: {entry.get('error')}")
+        if not entry.ok:
+            raise QToolError(f"the sweep's diagnosis failed: {entry.error}")
         shutil.copyfile(path, dest)
 
     for c in cands:
@@ -255,7 +254,7 @@ def _rejudge(c: Candidate, policy: Policy) -> Rejudge:
         bench = load_output(c.folder / "bench.json")
         measured = AblationBench.from_json(bench, level) if bench else None  # its rounds' intervals at the share
         assert c.run is not None
-        return evaluate_gates(custom_signoff.gate_policy(policy, evals, c.cfg.data), evals,
+        return evaluate_gates(workload.gate_policy(policy, evals, c.cfg.data), evals,
                               measured.table if measured else None, c.run.quant, measured)
     return run
 
@@ -307,7 +306,7 @@ def _endpoint_judge(policy: Policy) -> JudgeAt:
     def judge(c: Candidate, alpha: float) -> FamilyJudgement:
         def rejudge(evals: EvalResults | None, level: float) -> list[Gate]:
             bench = load_output(c.folder / "bench.json")
-            table = throughput_table(bench, level) if bench else None
+            table = DeploymentBench.from_json(bench).table(level) if bench else None
             return judge_deployment(c.cfg, policy, evals, table, None)[0]
 
         levels = look_levels(c.cfg.limit, c.cfg.max_items, alpha)

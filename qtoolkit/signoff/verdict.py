@@ -14,10 +14,11 @@ from ..diagnose.result import DiagnoseResult
 from ..evals.results import EvalResults
 from ..quantize.report import QuantizeSummary
 from . import verdicts
+from .error_spending import SequentialRecord
 from .judge import Gate
 from .policy import Policy
 from .speed import SpeedRatio, speed_ratios
-from .steps import load_output
+from .steps import StepOutcome, load_output
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,10 @@ class Evidence:
     """What a sign-off measured: each step's outcome (in the order the steps run), its output as its type, and the
     gates judged on it."""
 
-    steps: dict[str, dict[str, Any]]  # name -> steps.json entry: status, error, seconds, output
+    steps: dict[str, StepOutcome]  # name -> its steps.json entry
     gates: list[Gate]
     evals: EvalResults | None = None
-    sequential: dict[str, Any] | None = None  # sequential.json: the looks of the eval step
+    sequential: SequentialRecord | None = None  # sequential.json: the looks of the eval step
     quant: QuantizeSummary | None = None  # what the report keeps of the candidate's quantize_report.json
     ablation: AblationTable | None = None
     diagnose: DiagnoseResult | None = None
@@ -98,25 +99,25 @@ class Evidence:
     bench: AblationBench | None = None  # bench.json as the gates read it (the report keeps `ablation`)
 
     @classmethod
-    def load(cls, folder: Path, steps: dict[str, dict[str, Any]], *, evals: EvalResults | None = None,
-             sequential: dict[str, Any] | None = None, quant: QuantizeSummary | None = None) -> Evidence:
+    def load(cls, folder: Path, steps: dict[str, StepOutcome], *, evals: EvalResults | None = None,
+             sequential: SequentialRecord | None = None, quant: QuantizeSummary | None = None) -> Evidence:
         """Each step's output in a local sign-off's `folder` (eval.json, sequential.json, bench.json,
         bench_kv.json, diagnose.json) read once, as its type; a step that did not finish has none. `evals`,
         `sequential` and `quant` when the caller holds them already (--rejudge rebuilds the summaries). The
         gates are judged on it afterwards (`gates` starts empty)."""
         def ok(name: str) -> bool:
-            return name in steps and steps[name].get("status") == "ok"
+            return name in steps and steps[name].ok
 
         if evals is None and ok("eval"):
             evals = EvalResults.load(folder / "eval.json")
-        bench = load_output(folder / "bench.json") if ok("bench") else None
+        written = load_output(folder / "bench.json") if ok("bench") else None
+        bench = AblationBench.from_json(written) if written else None
         kv = load_output(folder / "bench_kv.json") if bench else None
         diagnosed = load_output(folder / "diagnose.json") if ok("diagnose") else None
-        return cls(steps, [], evals, sequential or load_output(folder / "sequential.json"), quant,
-                   AblationTable.from_bench(bench) if bench else None,
+        return cls(steps, [], evals, sequential or SequentialRecord.load(folder / "sequential.json"), quant,
+                   None if bench is None else bench.table,
                    DiagnoseResult.from_json(diagnosed) if diagnosed else None,
-                   KVLayerSection(KVLayerRow.from_json(kv["layer"]), kv["config"]) if kv else None,
-                   bench=AblationBench.from_json(bench) if bench else None)
+                   KVLayerSection(KVLayerRow.from_json(kv["layer"]), kv["config"]) if kv else None, bench=bench)
 
 
 # report.json's own keys; every other top-level key is provenance (qtoolkit.provenance.provenance())
@@ -148,7 +149,7 @@ class SignoffReport:
         out: dict[str, Any] = {
             **self.provenance, "verdict": self.verdict, "reasons": self.reasons, "reading": self.reading,
             "config": self.config, "policy": self.policy.model_dump(), "gates": [g.to_json() for g in ev.gates],
-            "steps": {n: {k: v for k, v in s.items() if k != "key"} for n, s in ev.steps.items()},
+            "steps": {n: s.to_json(key=False) for n, s in ev.steps.items()},
         }
         if self.deployment is not None:
             bench = self.deployment.bench
@@ -181,7 +182,8 @@ class SignoffReport:
         ablation = dict(d["ablation"]) if d.get("ablation") else None
         speed = ablation.pop("speed", None) if ablation else None
         evidence = Evidence(
-            dict(d.get("steps") or {}), [Gate.from_json(g) for g in d.get("gates") or []], evals, None,
+            {n: StepOutcome.from_json(s) for n, s in (d.get("steps") or {}).items()},
+            [Gate.from_json(g) for g in d.get("gates") or []], evals, None,
             None if d.get("quantize") is None else QuantizeSummary.from_json(d["quantize"]),
             None if ablation is None else AblationTable.from_json(ablation),
             None if d.get("diagnose") is None else DiagnoseResult.from_json(d["diagnose"]),
@@ -205,11 +207,11 @@ def decide(evidence: Evidence, *, provenance: dict[str, Any], config: dict[str, 
     every gate that failed or holds a required gate undecided, in its own verdict's words."""
     # a skipped step (a sweep's bench of a candidate that already fails a gate) is not a failure: the gates it
     # would feed show no evidence, and the failed gate decides
-    failed_steps = [n for n, s in evidence.steps.items() if s.get("status") not in ("ok", "skipped")]
+    failed_steps = [n for n, s in evidence.steps.items() if s.status not in ("ok", "skipped")]
     gates = evidence.gates
     verdict = (verdicts.ERROR if failed_steps else without_gates if not gates
                else verdicts.overall([(g.verdict, g.required) for g in gates]))
-    reasons = [f"step {n} failed: {evidence.steps[n].get('error')}" for n in failed_steps]
+    reasons = [f"step {n} failed: {evidence.steps[n].error}" for n in failed_steps]
     reasons += [f"gate {g.name} {g.verdict.lower()}: {g.detail}" for g in gates
                 if g.verdict == verdicts.FAIL or (g.verdict != verdicts.PASS and g.required)]
     reading = verdicts.reading(gates, evidence.evals, evidence.sequential if evidence.evals else None)

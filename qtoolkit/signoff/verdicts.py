@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..evals.summary import Figure, PairedDelta
+from .error_spending import ALPHA, SequentialRecord
 
 if TYPE_CHECKING:  # `qtool --help` reads EXIT_CODES from here and must not import torch (evals.results does)
     from ..evals.results import EvalResults
@@ -158,27 +159,27 @@ def side_split() -> str:
                      for k, v in SIDE_SHARES.items())
 
 
-def error_statement(sequential: dict[str, Any]) -> str:
+def error_statement(sequential: SequentialRecord) -> str:
     """The overall error of a decisive quality gate over its looks (sequential.json's design)."""
-    design = sequential.get("design")
+    design = sequential.design
     if design is None:  # written before error spending: every look judged a 95% interval
-        k = len(sequential["looks"])
+        k = len(sequential.looks)
         return (f"With {k} look(s) at 95% each, a decisive gate is wrong with probability at most K x 5% = "
                 f"{0.05 * k:.0%}.")
-    k = len(design["planned_items"])
-    looks = ", ".join(f"{n} items {1 - c:.2%}" for n, c in zip(design["planned_items"], design["levels"],
-                                                                strict=True))
+    k = len(design.planned_items)
+    looks = ", ".join(f"{n} items {1 - c:.2%}" for n, c in zip(design.planned_items, design.levels, strict=True))
     split = (f"Each look's error is split between a gate's PASS end and its FAIL end (shares of the look's error, "
              f"PASS/FAIL: {side_split()}), set by simulating every gate statistic with the truth exactly on the "
              f"policy's bound so that a false PASS stays within 5% for every look schedule and a sweep's candidate "
              f"within its share ({AT_BOUND}; qtoolkit/signoff/error_spending.py says why).")
     if k == 1:
         return f"One look ({looks} error): a PASS is wrong with probability at most 5%, and so is a FAIL. " + split
-    return (f"A decisive gate is wrong with probability at most {sequential['error_rate_bound']:.0%} over its {k} "
+    bound = sequential.error_rate_bound or ALPHA  # a design's file states it: the 5% its looks share
+    return (f"A decisive gate is wrong with probability at most {bound:.0%} over its {k} "
             f"looks, Lan-DeMets Pocock-type alpha spending (error per look: {looks}). " + split)
 
 
-def reading(gates: list[Any], evals: EvalResults | None, sequential: dict[str, Any] | None) -> list[str]:
+def reading(gates: list[Any], evals: EvalResults | None, sequential: SequentialRecord | None) -> list[str]:
     """Sentences that tell a reader what the verdict rests on (gates are signoff.judge.Gate objects)."""
     notes = [RULE]
     for g in gates:
@@ -189,8 +190,8 @@ def reading(gates: list[Any], evals: EvalResults | None, sequential: dict[str, A
             notes.append(f"{g.name} carries no evidence here ({g.detail}), so it is shown but not counted: "
                          f"{task} quality on this model rests on {on}.")
     if sequential:
-        looks, budget = sequential["looks"], sequential.get("max_items")
-        sizes = " -> ".join(str(x["items"]) for x in looks)
+        looks, budget = sequential.looks, sequential.max_items
+        sizes = " -> ".join(str(x.items) for x in looks)
         notes.append(f"Sample size: {sizes} items over {len(looks)} look(s) (budget --max-items {budget}). While "
                      "a required quality gate is inconclusive and none has failed, the items of the undecided "
                      "tasks double up to the budget, reusing finished ones. " + error_statement(sequential))

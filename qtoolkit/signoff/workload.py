@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..bench.workload_files import FileWorkload
 from ..evals.custom import custom_tasks
+from ..evals.custom_summary import AnswerSide
 from ..evals.results import EvalResults
 from ..evals.workload_file import file_sha256
 from .policy import Policy, PolicyError
@@ -56,7 +57,8 @@ def bench_workload(data: list[str], eval_path: Path) -> str | FileWorkload:
     tasks = EvalResults.load(eval_path).tasks if eval_path.is_file() else {}
     for name, path in custom_tasks(data).items():
         for record in tasks[name].records.values() if name in tasks else ():
-            workload.lengths[f"{Path(path).stem}/{record['id']}"] = max(record["baseline"]["tokens"], 1)
+            baseline = AnswerSide.from_json(record["baseline"])
+            workload.lengths[f"{Path(path).stem}/{record['id']}"] = max(baseline.tokens, 1)
     if workload.lengths:
         workload.sources["baseline greedy answers of the eval step"] = len(workload.lengths)
     return workload
