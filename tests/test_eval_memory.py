@@ -10,6 +10,7 @@ import gc
 import json
 import subprocess
 import sys
+import time
 import weakref
 
 import pytest
@@ -163,3 +164,14 @@ def test_bench_memory_passes_the_commands_exit_status_through(tmp_path):
     out = tmp_path / "m.json"
     assert main(["bench", "memory", "-o", str(out), "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
     assert json.loads(out.read_text())["rc"] == 3
+
+
+def test_bench_memory_stopped_midway_still_writes_its_peaks(tmp_path):
+    out = tmp_path / "m.json"
+    sampler = subprocess.Popen([sys.executable, "-m", "qtoolkit", "bench", "memory", "--every", "0.2", "-o", str(out),
+                                "--", sys.executable, "-c", "import time; time.sleep(60)"])
+    time.sleep(4)  # started and sampling; then stopped as a timeout or an operator would
+    sampler.terminate()
+    assert sampler.wait(timeout=30) == 2  # the command was killed: not a verdict
+    m = json.loads(out.read_text())
+    assert m["interrupted"] is True and m["peak_rss"]["bytes"] > 0 and m["rc"] != 0

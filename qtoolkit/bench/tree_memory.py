@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -88,6 +89,7 @@ class MemoryRun:
     command: list[str]
     every_s: float
     rc: int | None = None
+    interrupted: bool = False  # stopped (Ctrl-C, SIGTERM) before the command ended: its peaks so far
     wall_s: float = 0.0
     rss: Peak = field(default_factory=Peak)
     pss: Peak = field(default_factory=Peak)
@@ -96,7 +98,8 @@ class MemoryRun:
     status_lines: list[tuple[float, str]] = field(default_factory=list)  # the command's `qtool:` lines, timed
 
     def to_json(self) -> dict[str, Any]:
-        return {"command": self.command, "rc": self.rc, "wall_s": round(self.wall_s, 1),
+        return {"command": self.command, "rc": self.rc, "interrupted": self.interrupted,
+                "wall_s": round(self.wall_s, 1),
                 "what": f"the command's process tree (it and every descendant, not the sampler), every "
                         f"{self.every_s} s: summed PSS (/proc/PID/smaps_rollup; a page shared by n processes "
                         "counts 1/n in each, so the sum is what the tree holds) and summed RSS (a shared page "
@@ -136,6 +139,10 @@ def _relay_stderr(proc: subprocess.Popen, run: MemoryRun, start: float) -> None:
             run.status_lines.append((time.monotonic() - start, line[:200]))
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_sampled(command: list[str], every_s: float = 0.5) -> MemoryRun:
     """Run `command` to its end with its process tree sampled every `every_s` seconds."""
     if not command:
@@ -152,6 +159,7 @@ def run_sampled(command: list[str], every_s: float = 0.5) -> MemoryRun:
     relay = threading.Thread(target=_relay_stderr, args=(proc, run, start), daemon=True)
     relay.start()
     root, timeline = psutil.Process(proc.pid), _Timeline(run)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         while proc.poll() is None:
             t = time.monotonic() - start
@@ -160,9 +168,11 @@ def run_sampled(command: list[str], every_s: float = 0.5) -> MemoryRun:
             run.pss.offer(s.pss_bytes, t, s.processes)
             timeline.add(t, s)
             time.sleep(every_s)
+    except KeyboardInterrupt:  # the peaks so far are still written; the command does not outlive them
+        run.interrupted = True
+        proc.terminate()
     finally:
-        if proc.poll() is None:  # interrupted: the command does not outlive its measurement
-            proc.terminate()
+        signal.signal(signal.SIGTERM, previous)
         run.rc = proc.wait()
         relay.join(timeout=5)
         run.wall_s = time.monotonic() - start
