@@ -13,7 +13,7 @@ from .backends.base import Backend, GenParams
 from .data import humaneval_problems
 from .sandbox.run import Isolation, Limits, require, run_program
 from .stats.paired import NOMINAL, Level, paired_delta, pass_at_k, token_stats
-from .task import compare_scored, join_tokens, scored_records
+from .task import join_tokens, paired_scores, scored_records, side_scores
 
 # Completion ends where a new top-level statement starts (the stop set of the Codex paper).
 DEFAULT_LIMITS = Limits()
@@ -75,10 +75,13 @@ class CodeTask:
         return sides
 
     def run_batch(self, items: list[dict[str, Any]], candidate: Backend, baseline: Backend) -> list[dict]:
-        cand, base = self._side(candidate, items), self._side(baseline, items)
         tok = candidate.tokenizer
         joined = [join_tokens(tok, p["prompt"], p["canonical_solution"]) for p in items]
-        texts = compare_scored(candidate, baseline, [ids for ids, _ in joined], [0] * len(joined))
+        seqs = [ids for ids, _ in joined]
+        # each side's generation and scores before the other's: one model loaded at a time (task.side_scores)
+        cand, sc = self._side(candidate, items), side_scores(candidate, seqs)
+        base, sb = self._side(baseline, items), sc if isinstance(sc, str) else side_scores(baseline, seqs)
+        texts = paired_scores(sc, sb, [0] * len(joined))
         records = []
         for p, c, b, (ids, start), t in zip(items, cand, base, joined, texts, strict=True):
             sol, n = slice(start - 1, len(ids) - 1), max(len(ids) - start, 1)  # predictions of the solution

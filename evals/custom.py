@@ -35,7 +35,7 @@ from .code import run_checked
 from .custom_summary import summarize_custom
 from .sandbox.run import Limits, require
 from .stats.paired import NOMINAL, Level
-from .task import TaskError, compare_scored
+from .task import TaskError, paired_scores, side_scores
 from .workload_file import WorkloadItem, any_tests, file_sha256, render_prompt, sample_items, task_name
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL | re.IGNORECASE)
@@ -113,13 +113,17 @@ class CustomTask:
         tok = candidate.tokenizer
         items: list[WorkloadItem] = [b["item"] for b in batch]
         prompts = [render_prompt(tok, it) for it in items]
-        cand, base = self._generate(candidate, prompts, items), self._generate(baseline, prompts, items)
+        # the scored answers follow the baseline's generation, so the baseline side runs first; each side's
+        # generation and scores before the other's: one model loaded at a time (task.side_scores)
+        base = self._generate(baseline, prompts, items)
         sequences, starts = [], []
         for it, prompt, b in zip(items, prompts, base, strict=True):
             head = tok(prompt, add_special_tokens=it.messages is None).input_ids
             sequences.append(head + self.answer_ids(tok, it, b))
             starts.append(len(head))
-        texts = compare_scored(candidate, baseline, sequences, starts)
+        sb = side_scores(baseline, sequences)
+        cand = self._generate(candidate, prompts, items)
+        texts = paired_scores(sb if isinstance(sb, str) else side_scores(candidate, sequences), sb, starts)
         records = []
         for row, it, c, b, t, seq, start in zip(batch, items, cand, base, texts, sequences, starts, strict=True):
             n = len(seq) - start

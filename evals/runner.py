@@ -12,11 +12,12 @@ from typing import Any
 from qtoolkit.engine.config import KV_CACHE_DTYPES
 from qtoolkit.errors import QToolError
 from qtoolkit.model.sources import resolve_model
-from qtoolkit.progress import bar, status
+from qtoolkit.progress import bar
 
-from .backends.base import Backend
+from .backends.base import Backend, load_tokenizer
 from .backends.cached import CachedGenerations
 from .backends.factory import make_backend
+from .backends.on_demand import OnDemand, Resident
 from .registry import make_task, parse_tasks
 from .results import EvalResults, ResultsFile
 from .stats.paired import N_RESAMPLES, NOMINAL, Level
@@ -67,29 +68,44 @@ def model_identity(spec: str | None, endpoint: str | None, backend: str,
 
 
 class _LazyPair:
-    """Candidate and baseline backends, built on first use."""
+    """Candidate and baseline backends, each built when its side first runs. Two in-process models (engine or
+    hf on both sides) share one Resident slot: only one is loaded at a time (evals/backends/on_demand.py)."""
 
     def __init__(self, cfg: EvalConfig, baseline_identity: dict[str, Any]):
         self.cfg = cfg
         self.baseline_identity = baseline_identity
         self.pair: tuple[Backend, Backend] | None = None
+        self.sides: tuple[OnDemand, OnDemand] | None = None
 
     def get(self) -> tuple[Backend, Backend]:
         if self.pair is None:
             c = self.cfg
-            status("loading candidate and baseline models")
             ids = [{"role": "candidate", "model_id": c.model_id} if c.endpoint else {},
                    {"role": "baseline", "model_id": c.baseline_model_id} if c.baseline_endpoint else {}]
-            cand = make_backend(c.model, kind=c.backend, endpoint=c.endpoint, tokenizer_from=c.model or c.baseline,
-                                kv_cache_dtype=c.kv_cache_dtype, **ids[0])
-            base = make_backend(c.baseline, kind=c.backend, endpoint=c.baseline_endpoint,
-                                tokenizer_from=c.baseline or c.model, kv_cache_dtype=c.baseline_kv_cache_dtype,
-                                **ids[1])
+            in_process = not c.endpoint and not c.baseline_endpoint
+            slot = Resident() if in_process else None
+            # the tokenizers alone (no model) for the vocabulary check and the tasks' prompts: the same files
+            # the backends load theirs from
+            toks = (load_tokenizer(resolve_model(c.model).path), load_tokenizer(resolve_model(c.baseline).path)) \
+                if in_process else (None, None)
+            cand = OnDemand("candidate", lambda: make_backend(
+                c.model, kind=c.backend, endpoint=c.endpoint, tokenizer_from=c.model or c.baseline,
+                kv_cache_dtype=c.kv_cache_dtype, **ids[0]), slot, toks[0])
+            base_side = OnDemand("baseline", lambda: make_backend(
+                c.baseline, kind=c.backend, endpoint=c.baseline_endpoint, tokenizer_from=c.baseline or c.model,
+                kv_cache_dtype=c.baseline_kv_cache_dtype, **ids[1]), slot, toks[1])
+            base: Backend = base_side
             if c.baseline_generations:
-                base = CachedGenerations(base, c.baseline_generations, self.baseline_identity)
+                base = CachedGenerations(base_side, c.baseline_generations, self.baseline_identity)
             check_same_vocabulary(cand, base)
+            self.sides = (cand, base_side)
             self.pair = (cand, base)
         return self.pair
+
+    def release(self) -> None:
+        """Both sides' models freed (the eval is over, or a later step needs the memory)."""
+        for side in self.sides or ():
+            side.release()
 
 
 def evaluate(cfg: EvalConfig) -> dict[str, Any]:
@@ -116,22 +132,25 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
                                 "bootstrap": {"resamples": N_RESAMPLES, "confidence": cfg.level.confidence,
                                               "unit": "item (paired)"}})
     models = _LazyPair(cfg, identities["baseline"])
-    for name in names:
-        task = built[name]
-        items = task.items(cfg.limit or task.default_limit)
-        done = store.begin(name, {"models": identities, "settings": task.settings()})
-        todo = [it for it in items if it["id"] not in done]
-        with bar(total=len(items), initial=len(items) - len(todo), desc=name, unit="item") as progress:
-            for start in range(0, len(todo), task.batch_size):
-                batch = todo[start:start + task.batch_size]
-                store.add(name, task.run_batch(batch, *models.get()))
-                progress.update(len(batch))
-        records = [done[it["id"]] for it in items]
-        summary = TaskSummary.from_json(task.summarize(records, seed=cfg.seed, level=cfg.level))
-        store.finish(name, summary.to_json(), [it["id"] for it in items])
-        pair = models.pair
-        if pair is not None:
-            store.data["models"] = {"candidate": pair[0].describe(), "baseline": pair[1].describe()}
+    try:
+        for name in names:
+            task = built[name]
+            items = task.items(cfg.limit or task.default_limit)
+            done = store.begin(name, {"models": identities, "settings": task.settings()})
+            todo = [it for it in items if it["id"] not in done]
+            with bar(total=len(items), initial=len(items) - len(todo), desc=name, unit="item") as progress:
+                for start in range(0, len(todo), task.batch_size):
+                    batch = todo[start:start + task.batch_size]
+                    store.add(name, task.run_batch(batch, *models.get()))
+                    progress.update(len(batch))
+            records = [done[it["id"]] for it in items]
+            summary = TaskSummary.from_json(task.summarize(records, seed=cfg.seed, level=cfg.level))
+            store.finish(name, summary.to_json(), [it["id"] for it in items])
+            pair = models.pair
+            if pair is not None:
+                store.data["models"] = {"candidate": pair[0].describe(), "baseline": pair[1].describe()}
+    finally:
+        models.release()  # the next step (a look, the bench's servers) starts without this eval's model
     store.save()
     return store.data
 

@@ -16,7 +16,7 @@ from .backends.base import Backend, GenParams
 from .data import ASPECTS, aclsum_items
 from .prompts import user_message
 from .stats.paired import NOMINAL, Level, paired_delta, token_stats
-from .task import compare_scored, scored_records
+from .task import paired_scores, scored_records, side_scores
 
 ROUGE = ("rouge1", "rouge2", "rougeL")
 
@@ -59,8 +59,6 @@ class SummarizationTask:
         tok = candidate.tokenizer
         prompts = [chat_prompt(tok, it["abstract"], it["aspect"]) for it in items]
         params = GenParams(self.max_tokens, 0.0, [], self.seed)
-        gens = {"candidate": candidate.generate([p for p, _ in prompts], params),
-                "baseline": baseline.generate([p for p, _ in prompts], params)}
         sequences, content_starts, answer_starts = [], [], []
         for (text, offset), it in zip(prompts, items, strict=True):
             head = tok(text[:offset], add_special_tokens=False).input_ids
@@ -69,7 +67,11 @@ class SummarizationTask:
             sequences.append(head + body + answer)
             content_starts.append(len(head))
             answer_starts.append(len(head) + len(body))
-        texts = compare_scored(candidate, baseline, sequences, content_starts)
+        # each side's generation and scores before the other's: one model loaded at a time (task.side_scores)
+        gens = {"candidate": candidate.generate([p for p, _ in prompts], params)}
+        sc = side_scores(candidate, sequences)
+        gens["baseline"] = baseline.generate([p for p, _ in prompts], params)
+        texts = paired_scores(sc, sc if isinstance(sc, str) else side_scores(baseline, sequences), content_starts)
         records = []
         for i, it in enumerate(items):
             t, scored = texts[i], "unsupported" not in texts[i]

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from qtoolkit.errors import QToolError
 
-from .backends.base import Backend, ScoringUnsupported
+from .backends.base import Backend, Scored, ScoringUnsupported
 from .stats.paired import NOMINAL, Level, token_item_record
 
 
@@ -40,17 +40,24 @@ def check_same_vocabulary(candidate: Backend, baseline: Backend) -> None:
                         "the same vocabulary (compare a quantized model with its own baseline)")
 
 
-def compare_scored(candidate: Backend, baseline: Backend, sequences: list[list[int]],
-                   starts: list[int]) -> list[dict[str, Any]]:
-    """Teacher-forced per-token comparison of `sequences`, from token `starts[i]` on (0 = whole text).
+def side_scores(backend: Backend, sequences: list[list[int]]) -> list[Scored] | str:
+    """One side's teacher-forced scores of `sequences`, or why the backend cannot score at all. A task asks each
+    side for everything it needs (generation and scores) before asking the other, so an eval with two
+    in-process models loads each once a batch (evals/backends/on_demand.py)."""
+    try:
+        return backend.score(sequences)
+    except ScoringUnsupported as e:
+        return str(e)
+
+
+def paired_scores(sc: list[Scored] | str, sb: list[Scored] | str, starts: list[int]) -> list[dict[str, Any]]:
+    """Teacher-forced per-token comparison of the two sides' scores, from token `starts[i]` on (0 = whole text).
 
     Returns one token record per sequence (see stats.token_item_record) covering the predictions of
     tokens starts[i]..T-1, or `{"unsupported": reason}` records when a backend cannot score at all.
     """
-    try:
-        sc, sb = candidate.score(sequences), baseline.score(sequences)
-    except ScoringUnsupported as e:
-        return [{"unsupported": str(e)} for _ in sequences]
+    if isinstance(sc, str) or isinstance(sb, str):
+        return [{"unsupported": sc if isinstance(sc, str) else sb} for _ in starts]
     out = []
     for c, b, start in zip(sc, sb, starts, strict=True):
         lo = max(start - 1, 0)  # row i of a Scored predicts token i+1
@@ -59,6 +66,13 @@ def compare_scored(candidate: Backend, baseline: Backend, sequences: list[list[i
             None if c.logprobs is None else c.logprobs[lo:], None if b.logprobs is None else b.logprobs[lo:],
             None if c.top1 is None else c.top1[lo:], None if b.top1 is None else b.top1[lo:]))
     return out
+
+
+def compare_scored(candidate: Backend, baseline: Backend, sequences: list[list[int]],
+                   starts: list[int]) -> list[dict[str, Any]]:
+    """Both sides' scores of `sequences` compared (paired_scores): the candidate scored first."""
+    sc = side_scores(candidate, sequences)
+    return paired_scores(sc, sc if isinstance(sc, str) else side_scores(baseline, sequences), starts)
 
 
 def join_tokens(tokenizer, head: str, tail: str, *, special: bool = True) -> tuple[list[int], int]:

@@ -26,7 +26,7 @@ from .errors import QToolError
 from .io import no_room
 
 COMMANDS = ["quantize", "generate", "serve", "eval", "diagnose", "signoff", "plot", "train-draft"]
-BENCH_KINDS = ["kernels", "serve", "decode"]
+BENCH_KINDS = ["kernels", "serve", "decode", "memory"]
 
 
 def _load(name: str):
@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks that print measured figures and write JSON",
                            description="Benchmarks that print measured figures and write JSON: `kernels` (matmul "
                                        "paths), `serve` (a server under load, vLLM's field names), `decode` "
-                                       "(batch-1 decode against llama.cpp and HF).",
+                                       "(batch-1 decode against llama.cpp and HF), `memory` (a command's "
+                                       "process tree, peak PSS and RSS).",
                            epilog="examples:\n  qtool bench serve --model default --max-concurrency 1,4 "
                                   "--output bench.json\n  qtool bench kernels --quick\n  qtool bench KIND --help"
                                   f"\n\n{ENVIRONMENT}",

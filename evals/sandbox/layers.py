@@ -21,6 +21,7 @@ size and open files are rlimits set before bwrap starts, which the program canno
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import resource
 import shutil
@@ -90,17 +91,40 @@ def within_hard_limit(kind: int, soft: int, hard: int) -> tuple[int, int]:
     return min(soft, ceiling), min(hard, ceiling)
 
 
-def rlimits(cpu_s: int, memory_bytes: int, file_bytes: int, open_files: int, processes: int | None):
+RlimitPairs = list[tuple[int, int, int]]  # (resource.RLIMIT_*, soft, hard)
+
+# Sets the rlimits, then execs the sandbox (bwrap): started with vfork, the evaluator's own pages are never
+# copied into a child, where a forked child that ran a Python `preexec_fn` counted its parent's whole
+# resident heap a second time until exec (a 5 GiB eval forked a 5 GiB child for each HumanEval program).
+SET_LIMITS_AND_EXEC = ("import json, os, resource, sys\n"
+                       "for kind, soft, hard in json.loads(sys.argv[1]):\n"
+                       "    resource.setrlimit(kind, (soft, hard))\n"
+                       "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+def rlimit_pairs(cpu_s: int, memory_bytes: int, file_bytes: int, open_files: int,
+                 processes: int | None) -> RlimitPairs:
+    """The sandbox's rlimits, each lowered to the hard limit this process already runs under."""
     wanted = [(resource.RLIMIT_CPU, cpu_s, cpu_s + 1), (resource.RLIMIT_AS, memory_bytes, memory_bytes),
               (resource.RLIMIT_FSIZE, file_bytes, file_bytes), (resource.RLIMIT_NOFILE, open_files, open_files),
               (resource.RLIMIT_CORE, 0, 0)]
     if processes is not None:
         wanted.append((resource.RLIMIT_NPROC, processes, processes))
-    limits = [(kind, within_hard_limit(kind, soft, hard)) for kind, soft, hard in wanted]  # decided before fork
+    return [(kind, *within_hard_limit(kind, soft, hard)) for kind, soft, hard in wanted]
 
+
+def with_limits(argv: list[str], limits: RlimitPairs) -> list[str]:
+    """argv run under `limits`: a small Python (no site, no qtoolkit) sets them and execs argv, so the sandbox
+    starts with the limits it cannot raise, and the evaluator needs no code between fork and exec."""
+    return [os.path.realpath(sys.executable), "-I", "-S", "-c", SET_LIMITS_AND_EXEC,
+            json.dumps([list(p) for p in limits]), *argv]
+
+
+def rlimits(limits: RlimitPairs):
+    """The same limits as a `preexec_fn` (the weak sandbox's setup runs in the forked child anyway)."""
     def setup() -> None:  # runs between fork and exec: no Python-level locks, no imports
-        for kind, pair in limits:
-            resource.setrlimit(kind, pair)
+        for kind, soft, hard in limits:
+            resource.setrlimit(kind, (soft, hard))
     return setup
 
 

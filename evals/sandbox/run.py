@@ -102,16 +102,17 @@ def run_program(source: str | list[str], limits: Limits = Limits(), audit_hook: 
                           "nproc": limits.processes if os.geteuid() != 0 or mode == "weak" else None})
     workdir = None
     as_root = os.geteuid() == 0 and mode == "bubblewrap"
-    limits_setup = sandbox_layers.rlimits(limits.cpu_s, limits.memory_bytes, limits.file_bytes,
+    rlimits = sandbox_layers.rlimit_pairs(limits.cpu_s, limits.memory_bytes, limits.file_bytes,
                                           limits.open_files, limits.processes if as_root else None)
     try:
-        if mode == "bubblewrap":
-            argv, cwd, setup = sandbox_layers.bwrap_command(["-c", RUNNER], limits.tmp_bytes), None, limits_setup
+        if mode == "bubblewrap":  # no preexec_fn: the child starts by vfork (layers.with_limits says why)
+            argv = sandbox_layers.with_limits(sandbox_layers.bwrap_command(["-c", RUNNER], limits.tmp_bytes), rlimits)
+            cwd, setup = None, None
         else:
             workdir = os.path.realpath(tempfile.mkdtemp(prefix="qtool-sandbox-"))
             os.chmod(workdir, 0o700)
             argv, cwd = [os.path.realpath(sys.executable), "-I", "-c", RUNNER], workdir
-            setup = sandbox_layers.weak_setup(workdir, limits_setup, isolation())
+            setup = sandbox_layers.weak_setup(workdir, sandbox_layers.rlimits(rlimits), isolation())
         try:
             proc = subprocess.Popen(argv, cwd=cwd, env={}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True, pass_fds=(write_end,),

@@ -2,7 +2,9 @@
 server it started), sampled in a background thread, and the KV budget its workload needs.
 
 The sampler sums RSS over the tree (shared pages count once per process, as `ps` shows them), so the figure is
-an upper bound on what the machine must hold; `servers` is the most `qtool serve` children alive at once."""
+an upper bound on what the machine must hold; with `pss=True` (a sweep's report) it also sums PSS once a second,
+where a shared page counts once (bench/tree_memory.py). `servers` is the most `qtool serve` children alive at
+once."""
 
 from __future__ import annotations
 
@@ -18,35 +20,41 @@ from transformers import AutoTokenizer
 from ..engine.config import EngineConfig
 from ..errors import QToolError
 from ..model.sources import resolve_model
+from .tree_memory import tree_sample
 from .types import BenchRequest, Workload
 
 SAMPLE_EVERY_S = 0.25
 KV_HEADROOM = 1.25  # round requests draw fresh prompts from the same pool; a longer one must still fit
 
 
+PSS_EVERY = 4  # samples: a PSS reading walks the page tables (~10 ms a GiB), so it is taken once a second
+
+
 @dataclass
 class PeakMemory:
-    """Peak RSS of the tree overall and since the last `new_window()` (one candidate's share of a sweep)."""
+    """Peak RSS of the tree overall and since the last `new_window()` (one candidate's share of a sweep), and
+    with `pss` the overall peak of summed PSS."""
 
     rss_bytes: int = 0
     processes: int = 0
     servers: int = 0
     window: dict[str, int] = field(default_factory=lambda: {"rss_bytes": 0, "processes": 0, "servers": 0})
+    pss: bool = False
+    pss_bytes: int = 0
+    pss_processes: int = 0
+    _samples: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def sample(self) -> None:
-        me = psutil.Process()
-        procs = [me, *me.children(recursive=True)]
-        rss, servers = 0, 0
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                rss += p.memory_info().rss
-                servers += " serve " in " ".join(p.cmdline()) + " "
+        s = tree_sample(psutil.Process(), pss=self.pss and self._samples % PSS_EVERY == 0)
+        self._samples += 1
         with self._lock:
             for peak in (self.__dict__, self.window):
-                if rss > peak["rss_bytes"]:
-                    peak["rss_bytes"], peak["processes"] = rss, len(procs)
-                peak["servers"] = max(peak["servers"], servers)
+                if s.rss_bytes > peak["rss_bytes"]:
+                    peak["rss_bytes"], peak["processes"] = s.rss_bytes, s.processes
+                peak["servers"] = max(peak["servers"], s.servers)
+            if s.pss_bytes is not None and s.pss_bytes > self.pss_bytes:
+                self.pss_bytes, self.pss_processes = s.pss_bytes, s.processes
 
     def new_window(self) -> None:
         with self._lock:
@@ -59,14 +67,16 @@ class PeakMemory:
                                                                                  "servers")}
         if floor is not None and floor["rss_bytes"] > peak["rss_bytes"]:
             peak = {**floor, "servers": max(floor["servers"], peak["servers"])}
-        return {**peak, "what": "summed RSS of the bench process and its servers, sampled every "
-                                f"{SAMPLE_EVERY_S} s"}
+        pss = {"pss_bytes": self.pss_bytes, "pss_processes": self.pss_processes} if self.pss and not window else {}
+        return {**peak, **pss, "what": "summed RSS of the bench process and its servers, sampled every "
+                                       f"{SAMPLE_EVERY_S} s" + (", and summed PSS (shared pages counted once) "
+                                                                "every second" if pss else "")}
 
 
 @contextlib.contextmanager
-def peak_memory() -> Iterator[PeakMemory]:
-    """Sample the tree's memory until the block ends."""
-    peak = PeakMemory()
+def peak_memory(pss: bool = False) -> Iterator[PeakMemory]:
+    """Sample the tree's memory until the block ends (with `pss`, summed PSS too, once a second)."""
+    peak = PeakMemory(pss=pss)
     stop = threading.Event()
 
     def run() -> None:

@@ -228,8 +228,9 @@ def _markdown(verdict: str, line: str, rows: list[Row], peak: PeakMemory) -> str
               "`qtool signoff` refuses a sweep's candidate folder, and a fresh folder would judge at a full 5% a "
               "candidate chosen after seeing the others.", "",
               f"Peak memory of the whole process tree (this process, its servers and sandboxes): "
-              f"{peak.rss_bytes / 2**30:.2f} GiB summed over {peak.processes} "
-              "processes at its peak.", ""]
+              f"{peak.rss_bytes / 2**30:.2f} GiB of RSS summed over {peak.processes} processes at its peak"
+              + (f"; {peak.pss_bytes / 2**30:.2f} GiB of PSS (a page shared between processes counted once)"
+                 if peak.pss else "") + ".", ""]
     for r in rows:
         if r.error:
             lines.append(f"- `{r.name}` could not be judged: {table_cell(r.error)}")

@@ -18,6 +18,7 @@ from ..diagnose.run import diagnose
 from ..draft.format import check_fits, read_head_config
 from ..engine.config import KV_CACHE_DTYPES, EngineConfig
 from ..errors import QToolError
+from ..evals.backends.on_demand import return_freed_memory
 from ..evals.results import EvalResults
 from ..evals.resummarize import resummarize
 from ..evals.runner import EvalConfig, evaluate
@@ -150,6 +151,7 @@ class SignoffRun:
             "quantize", {"model": source.sha256, "recipe": self.recipe.sha256}, ckpt / "quantize_report.json",
             lambda: quantize(source.path, cfg.recipe, ckpt, overwrite=True))
         self.quant = QuantizeReport.load(ckpt / "quantize_report.json") if self.results["quantize"].ok else None
+        return_freed_memory()  # the quantizer's models are gone: their heap back to the OS before the eval loads
         if self.quant:
             self.kv = resolve_kv_dtype(cfg.kv_cache_dtype, ckpt)
             self.eval_step(self.cand_key)

@@ -82,7 +82,7 @@ def signoff_sweep(cfg: SignoffConfig) -> dict[str, Any]:
     cands = [Candidate(n, s, replace(cfg, recipe=s, output=str(out / "candidates" / n),
                                      baseline_generations=generations)) for n, s in zip(names, specs, strict=True)]
     try:
-        with peak_memory() as peak:  # the whole process tree: this process, its servers, sandboxes, compilers
+        with peak_memory(pss=True) as peak:  # the whole tree: this process, its servers, sandboxes, compilers
             for i, (c, recipe) in enumerate(zip(cands, recipes, strict=True)):
                 status(f"candidate {i + 1}/{len(cands)} {c.name}: quantize and evaluate")
                 _guard(c, lambda c=c, recipe=recipe: _start(c, policy, recipe, source))
