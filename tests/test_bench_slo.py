@@ -10,7 +10,7 @@ import pytest
 from test_server import make_app, running
 
 from qtoolkit.bench.serve import Arrivals, bench_serve
-from qtoolkit.bench.slo_sweep import OK, SATURATED, VIOLATED, slo_sweep
+from qtoolkit.bench.slo_sweep import OK, SATURATED, VIOLATED, RateSearch, slo_sweep
 from qtoolkit.bench.summary import SLO, Distribution, Saturation, TierSummary
 from qtoolkit.bench.types import RequestResult
 from qtoolkit.bench.workloads import arrival_offsets
@@ -144,3 +144,16 @@ def test_bench_serve_finds_a_capacity_and_reports_a_rate_past_it_as_saturated(sl
     assert sweep["capacity_rps"] > 0 and sweep["saturated_rps"]
     assert min(sweep["saturated_rps"]) > sweep["capacity_rps"]
     assert all(p["status"] in (OK, SATURATED) for p in sweep["points"])
+
+
+def test_a_server_that_misses_the_slo_unloaded_is_not_probed_at_ever_lower_rates():
+    """3 s to the first token at any load against a 2 s bound: once a failing probe had under half a request in
+    flight on average (rate x mean latency), a lower rate cannot meet it, and each halving doubles a probe's time."""
+    search = RateSearch(SLO(ttft_ms=2000), start_rate=1.0, min_rate=1e-3)
+    while (rate := search.next_rate()) is not None:
+        search.record(rate, TierSummary.of([_result(i, 3.0, 0.01, sent=i / rate) for i in range(16)], 16 / rate,
+                                           rate=rate))
+    rates = [p.rate for p in search.points]
+    assert rates == [1.0, 0.5, 0.25, 0.125] and search.missed_unloaded
+    result = search.result()
+    assert result.capacity is None and result.estimate is None

@@ -225,7 +225,8 @@ def _judge_speed(fig: SpeedRatio, policy: Policy) -> verdicts.Judgement:
     if fig.ratio is None and fig.kind == CAPACITY:
         return verdicts.Judgement(verdicts.NO_EVIDENCE, "not measured: some round of the paired search found no "
                                   "capacity for a server (it met the SLO at no rate down to an eighth of its "
-                                  "start, or at every rate tried): see bench.json's capacity sweeps; on a loaded "
+                                  "start or missed it with requests barely overlapping, or met it at every rate "
+                                  "tried): see bench.json's capacity sweeps; on a loaded "
                                   "machine run again, else set throughput.capacity.slo to what this hardware meets")
     if fig.ratio is None:
         return verdicts.Judgement(verdicts.NO_EVIDENCE, f"not measured{where}: the bench has no paired rounds of "
