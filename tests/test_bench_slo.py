@@ -154,6 +154,16 @@ def test_a_server_that_misses_the_slo_unloaded_is_not_probed_at_ever_lower_rates
         search.record(rate, TierSummary.of([_result(i, 3.0, 0.01, sent=i / rate) for i in range(16)], 16 / rate,
                                            rate=rate))
     rates = [p.rate for p in search.points]
-    assert rates == [1.0, 0.5, 0.25, 0.125] and search.missed_unloaded
+    assert rates == [1.0, 0.5, 0.25] and search.missed_unloaded  # 0.25 x 3.1 s: under one in flight
     result = search.result()
     assert result.capacity is None and result.estimate is None
+
+
+def test_a_server_whose_median_request_misses_the_slo_stops_under_one_request_in_flight():
+    """12 s a request, 0.3 s a token against TPOT <= 100 ms: at 0.06 requests/s under one request is in flight
+    (0.72), the median request already misses the bound, and a lower rate cannot help."""
+    search = RateSearch(SLO(tpot_ms=100), start_rate=0.25, min_rate=1e-3)
+    while (rate := search.next_rate()) is not None:
+        search.record(rate, TierSummary.of([_result(i, 0.3, 0.3, n=41, sent=i / rate) for i in range(16)],
+                                           16 / rate, rate=rate))
+    assert [p.rate for p in search.points] == [0.25, 0.125, 0.0625] and search.missed_unloaded

@@ -91,6 +91,13 @@ class SweepResult:
                    d.get("capacity_estimate_rps"))
 
 
+def _median_misses(summary: TierSummary, slo: SLO) -> bool:
+    """Whether the probe's median request is past a bound (the SLO bounds p99s: its typical request missing one
+    is a server too slow for the SLO, not a tail)."""
+    checks = ((slo.ttft_ms, summary.ttft.p50), (slo.tpot_ms, summary.tpot.p50), (slo.e2el_ms, summary.e2el.p50))
+    return any(bound is not None and value is not None and 1000 * value > bound for bound, value in checks)
+
+
 def classify(summary: TierSummary, slo: SLO) -> str:
     if summary.saturation is not None and summary.saturation.saturated:
         return SATURATED
@@ -141,11 +148,14 @@ class RateSearch:
         else:
             self.hi = rate
             self._rate = rate / self.step
-            # Little's law: rate x mean latency requests in flight on average; under half a request, the server
-            # missed the SLO serving requests about one at a time, and halving the rate again (doubling a probe's
-            # minutes: a vLLM CPU fp8 server was probed at 0.02 requests/s, 12 minutes a probe) changes nothing
+            # Little's law: rate x mean latency requests in flight on average; under half a request (or under
+            # one with the median request itself past a bound) the server missed the SLO serving requests about
+            # one at a time, and halving the rate again changes nothing but doubles a probe's minutes (a vLLM CPU
+            # fp8 endpoint, 15 s and more a request, was probed down to 0.017 requests/s: 16 minutes a probe)
             mean = summary.e2el.mean
-            if point.status == VIOLATED and mean is not None and rate * mean < UNLOADED_IN_FLIGHT:
+            in_flight = None if mean is None else rate * mean
+            if point.status == VIOLATED and in_flight is not None and (
+                    in_flight < UNLOADED_IN_FLIGHT or (in_flight < 1 and _median_misses(summary, self.slo))):
                 self.missed_unloaded = True
         return point
 
