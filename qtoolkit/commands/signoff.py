@@ -8,12 +8,10 @@ import sys
 
 from qtoolkit.endpoints.args import add_server_arguments, resolve_server
 from qtoolkit.errors import QToolError
+from qtoolkit.signoff import defaults
 from qtoolkit.signoff.verdicts import EXIT_CODES
 
-# ACLSum ROUGE-L's per-item deltas spread ~0.09 (measurements/2026-12-01/rougeL-fp8-8items.json): the CI
-# half-width is ~0.06 at 8 items and ~0.02 at 64, narrow enough to decide against the default policy's 0.05 bound
-# unless the drop is near it
-DEFAULT_MAX_ITEMS = 64
+DEFAULT_MAX_ITEMS = defaults.MAX_ITEMS
 HELP = ("one command from model + recipe to a release verdict (PASS/FAIL/INCONCLUSIVE) with a layer-by-layer "
         "ablation report")
 
@@ -38,12 +36,12 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="`default`, a Hugging Face folder or a .gguf file")
+    p.add_argument("--model", default=defaults.MODEL, help="`default`, a Hugging Face folder or a .gguf file")
     p.add_argument("--recipe", help="recipe name in recipes/ or a YAML path; several, comma-separated, sign off each "
                    "against one baseline and recommend the cheapest that passes (not with --candidate-endpoint: the "
                    "served checkpoint is already quantized)")
-    p.add_argument("--policy", default="default", help="policy name in recipes/policies/ or a YAML path")
-    p.add_argument("--limit", type=int, default=8, help="items per eval task (small keeps the run to minutes)")
+    p.add_argument("--policy", default=defaults.POLICY, help="policy name in recipes/policies/ or a YAML path")
+    p.add_argument("--limit", type=int, default=defaults.LIMIT, help="items per eval task (small keeps the run to minutes)")
     add_server_arguments(p, who="the candidate (evaluated there instead of in-process)", routes=("/v1/completions",))
     p.add_argument("--candidate-endpoint", metavar="[NAME=]URL", action="append", default=[],
                    help="sign off a deployment: the candidate served by any OpenAI-compatible server (vLLM, SGLang, "
@@ -55,25 +53,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--candidate-model-id", help="model id the candidate endpoint must serve (default: its only one)")
     p.add_argument("--baseline-model-id", help="model id the baseline endpoint must serve (default: its only one); "
                    "API keys come from QTOOLKIT_CANDIDATE_API_KEY / QTOOLKIT_BASELINE_API_KEY or OPENAI_API_KEY")
-    p.add_argument("--concurrency", type=_ints, default=[1, 8], help="bench tiers, e.g. 1,8,32")
+    p.add_argument("--concurrency", type=_ints, default=list(defaults.CONCURRENCY), help="bench tiers, e.g. 1,8,32")
     p.add_argument("--num-requests", type=int, help="requests per bench tier (default: two waves of the tier)")
     # none by default: each proposer adds three ablation systems, each served --rounds rounds at every tier
     # (about twice the bench step), and the speed gates then compare both sides with speculation on
-    p.add_argument("--speculative", default="none",
+    p.add_argument("--speculative", default=defaults.SPECULATIVE,
                    help="proposer of the ablation's speculative-decoding layer (ngram, self-int4, draft:PATH, eagle3:DIR, ...; "
                         "default none: the layer is left out; with one, the speed gates compare both sides with it)")
-    p.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,fp8,int8}",
+    p.add_argument("--kv-cache-dtype", default=defaults.KV_CACHE_DTYPE, metavar="{auto,fp8,int8}",
                    help="the candidate's KV cache in its eval and bench servers (default auto: the checkpoint's "
                         "kv_cache_scheme when its recipe has one, else the model's dtype); a quantized cache adds "
                         "the ablation's KV cache layer: unquantized vs quantized cache at a budget where it is the "
                         "limit")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds of every ablation system at every tier, on fresh requests each, interleaved; the "
-                        "speed gates judge the interval of the per-round ratios (default 3; with 1 there is no "
-                        "interval and the gates are INCONCLUSIVE; a deployment sign-off: 5 rounds at the top tier)")
+                        f"speed gates judge the interval of the per-round ratios (default {defaults.ROUNDS}; with 1 there is "
+                        "no interval and the gates are INCONCLUSIVE; a deployment sign-off: "
+                        f"{defaults.DEPLOYMENT_ROUNDS})")
     p.add_argument("--max-rounds", type=int, default=None,
                    help="while a speed gate is inconclusive, the candidate and baseline under the same serving "
-                        "configuration serve 2 more rounds per tier, up to this budget (default 9, or --rounds if larger; "
+                        f"configuration serve 2 more rounds per tier, up to this budget (default {defaults.MAX_ROUNDS}, or "
+                        "--rounds if larger; "
                         "equal to --rounds: one look)")
     p.add_argument("--max-items", type=int, default=None,
                    help="while a quality gate is inconclusive, double the items per task up to this budget "
@@ -112,11 +112,13 @@ def run(args: argparse.Namespace) -> int:
         cfg = SignoffConfig(
             model=args.model, recipe=args.recipe, output=args.output, policy=args.policy, limit=args.limit,
             endpoint=endpoint, concurrency=args.concurrency, kv_cache_dtype=args.kv_cache_dtype,
-            num_requests=args.num_requests, rounds=args.rounds or (5 if deployed else 3),
-            max_rounds=max(9, args.rounds or 3) if args.max_rounds is None else args.max_rounds,
+            num_requests=args.num_requests,
+            rounds=args.rounds or (defaults.DEPLOYMENT_ROUNDS if deployed else defaults.ROUNDS),
+            max_rounds=max(defaults.MAX_ROUNDS, args.rounds or defaults.ROUNDS) if args.max_rounds is None
+            else args.max_rounds,
             max_items=max(DEFAULT_MAX_ITEMS, args.limit) if args.max_items is None else args.max_items,
             allow_weak_sandbox=args.allow_weak_sandbox, rejudge=args.rejudge,
-            speculative=None if deployed or args.speculative.lower() == "none" else args.speculative,
+            speculative=None if deployed or (args.speculative or "none").lower() == "none" else args.speculative,
             candidate_endpoint=pairs[0][1] if pairs else None, baseline_endpoint=args.baseline_endpoint,
             baseline=args.baseline, candidate_model_id=args.candidate_model_id,
             baseline_model_id=args.baseline_model_id, data=args.data)

@@ -16,6 +16,7 @@ from ..evals.custom import custom_tasks
 from ..io import lock_output, read_results_json, write_json
 from ..progress import status
 from ..provenance import code_identity, text_sha256
+from . import defaults
 
 STEPS = ("quantize", "eval", "bench", "diagnose")
 
@@ -63,23 +64,23 @@ class StepOutcome:
 
 @dataclass
 class SignoffConfig:
-    model: str = "default"
+    model: str = defaults.MODEL
     recipe: str = "fp8-dynamic"
     output: str = "runs/signoff"
-    policy: str = "default"
-    limit: int = 8
+    policy: str = defaults.POLICY
+    limit: int = defaults.LIMIT
     endpoint: str | None = None  # evaluate the candidate through a served endpoint instead of the engine
-    concurrency: list[int] = field(default_factory=lambda: [1, 8])
+    concurrency: list[int] = field(default_factory=lambda: list(defaults.CONCURRENCY))
     num_requests: int | None = None
-    mean_output_tokens: int = 48
-    speculative: str | None = None  # e.g. "ngram": adds the speculative-decoding layer to the ablation
+    mean_output_tokens: int = defaults.MEAN_OUTPUT_TOKENS
+    speculative: str | None = defaults.SPECULATIVE  # e.g. "ngram": adds the speculative layer to the ablation
     # the candidate's KV cache in its eval and bench servers; auto: the checkpoint's kv_cache_scheme when it has
     # one, else the model's dtype. A quantized cache adds the ablation's KV cache layer (bench_kv.json)
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = defaults.KV_CACHE_DTYPE
     diagnose_batches: tuple[int, ...] = (1, 8)
     seed: int = 0
-    rounds: int = 3  # of every ablation system at every tier (speed gates: the first look); the gates judge the spread
-    max_rounds: int | None = 9  # the speed gates' budget: their pair serves more rounds while a gate is undecided
+    rounds: int = defaults.ROUNDS  # of every ablation system at every tier (the speed gates' first look)
+    max_rounds: int | None = defaults.MAX_ROUNDS  # the speed gates' budget: more rounds while a gate is undecided
     max_items: int | None = None  # budget of items per task when a quality gate is inconclusive (qtoolkit/signoff/sequential.py)
     allow_weak_sandbox: bool = False  # run model-written code even where bubblewrap cannot
     rejudge: bool = False  # decide again from the step outputs in `output`, running nothing
