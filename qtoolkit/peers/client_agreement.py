@@ -132,10 +132,10 @@ def guidellm_reading(exe: Path, load: Load, c: int, out: Path) -> Reading:
         "profile": {"kind": "concurrent", "streams": c},
         "data": [{"kind": "json_file", "path": str(load.guidellm_prompts)}],
         "constraints": [{"kind": "max_requests", "count": load.num_prompts}]}}))
-    # GuideLLM sends from worker processes, one per stream up to 10 by default, each polling its queues: on the
-    # 2-core machine that the server also runs on, four of them at c=4 took CPU from the server being measured
-    # (its inter-token latency read 1.12-1.28x qtool's, measurements/2026-12-04/issue40b/); one worker process
-    # carries every stream of a tier as the other two clients' single asyncio loops do
+    # GuideLLM sends from worker processes, one per stream up to 10 by default; one worker carries every stream
+    # of a tier as the other two clients' single asyncio loops do. It is not why its c=4 inter-token latency
+    # reads high: 1.20x qtool's with four workers (measurements/2026-12-04/issue40b/), 1.19x with one
+    # (measurements/2026-12-05/issue40d/, idle), while vLLM's client reads 1.04x
     run_cli([str(exe), "run", "--scenario", str(scenario), "--output", f"kind=json,path={out}",
              "--disable-console-interactive"], "guidellm run",
             env={"GUIDELLM__MAX_WORKER_PROCESSES": str(load.guidellm_workers)})
