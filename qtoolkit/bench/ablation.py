@@ -23,9 +23,9 @@ from ..errors import QToolError
 from ..progress import status
 from ..provenance import provenance
 from ..server.process import ControlledServer, controlled_server
-from .capacity import CapacityPlan, CapacityRounds, PairProbe, paired_capacity
+from .capacity import CapacityPlan, CapacityRounds, PairProbe, capacity_starts, paired_capacity
 from .load_client import requests_sha256, run_load, served_models, summarize, warm_up
-from .loop import Tier, TierLoop, TierRecord, fresh_requests
+from .loop import Tier, TierLoop, TierRecord
 from .memory import peak_memory, sized_engine
 from .summary import TierSummary
 from .systems import System
@@ -135,6 +135,19 @@ class SpeedLooks:
     looks: tuple[int, ...]
     decided: Callable[[AblationBench], bool]
 
+    def serve(self, pair: list[str], labels: list[str], rounds: int, records: Callable[[], list[TierRecord]],
+              more: Callable[[int], None]) -> SpeedRounds:
+        """The looks after the first: while `decided` says no, `more(n)` serves the pair's rounds at every tier up
+        to n; `records()` reads the tiers as they stand."""
+        measured = rounds
+        for target in self.looks[1:]:
+            if self.decided(AblationBench(records(), labels, rounds, SpeedRounds(pair, list(self.looks), measured))):
+                break
+            status(f"speed gates undecided after {measured} rounds: {target} rounds of {' and '.join(pair)}")
+            more(target)
+            measured = target
+        return SpeedRounds(pair, list(self.looks), measured)
+
 
 def _mode(system: System, engine: EngineConfig) -> dict[str, Any]:
     """The engine-mode switch that makes a loaded server run `system` (speculation only when a proposer is
@@ -186,10 +199,7 @@ class _Bench:
             system = next(x for x in self.systems if x.label == label)
             server, served = self.servers[str(system.quant)]
             server.set_mode(**_mode(system, self.engine))
-            reqs = fresh_requests(self.traffic, plan.requests_per_probe, loop.requests + loop.round_requests,
-                                  seed=self.seed + 5000 + k, mean_output_tokens=self.mean_output_tokens,
-                                  max_output_tokens=self.max_output_tokens)
-            loop.round_requests.extend(reqs)
+            reqs = loop.probe_requests(plan.requests_per_probe, k)
             res, duration = asyncio.run(run_load(server.url, served, reqs, concurrency=len(reqs), rate=rate,
                                                  seed=self.seed + k))
             return TierSummary.of(res, duration, slo=plan.slo, rate=rate)
@@ -307,30 +317,18 @@ def _speed_rounds(bench: _Bench, loop: TierLoop, shared: list[Tier], own: list[T
         return None
     labels = [s.label for s in bench.systems]
     pair = list(speed_pair(labels))
-    measured = bench.rounds
-
-    def so_far() -> SpeedRounds:
-        return SpeedRounds(pair, list(bench.speed.looks), measured)
-
-    for target in bench.speed.looks[1:]:
-        tiers = [TierRecord.of(t) for t in _merge(shared, own, labels)]
-        if bench.speed.decided(AblationBench(tiers, labels, bench.rounds, so_far())):
-            break
-        status(f"speed gates undecided after {measured} rounds: {target} rounds of {' and '.join(pair)}")
-        loop.more_rounds(own, pair, target)
-        measured = target
-    return so_far()
+    return bench.speed.serve(pair, labels, bench.rounds,
+                             lambda: [TierRecord.of(t) for t in _merge(shared, own, labels)],
+                             lambda n: loop.more_rounds(own, pair, n))
 
 
 def _capacity(bench: _Bench, loop: TierLoop, shared: list[Tier], own: list[Tier]) -> CapacityRounds | None:
-    """The capacity gate's paired searches of the speed gates' pair, after its rounds; each search starts at its
-    system's closed-loop requests/s at the top tier, halved (the SLO's capacity lies below that saturation)."""
+    """The capacity gate's paired searches of the speed gates' pair, after its rounds."""
     if bench.capacity is None:
         return None
     labels = [s.label for s in bench.systems]
     pair = speed_pair(labels)
-    top = TierRecord.of(_merge(shared, own, labels)[-1])
-    starts = {label: 0.5 * (top.requests_per_s(label) or 1.0) for label in pair}
+    starts = capacity_starts(TierRecord.of(_merge(shared, own, labels)[-1]), pair)
     return paired_capacity(bench.capacity_probe(loop), pair, bench.capacity, starts)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..progress import status
+from .loop import TierRecord
 from .slo_sweep import RateSearch, SweepResult
 from .summary import SLO, TierSummary
 
@@ -82,6 +83,12 @@ class CapacityRounds:
                             float(d["precision"]), int(d["max_probes"]), d.get("max_rounds"))
         rounds = [{label: SweepResult.from_json(s) for label, s in r.items()} for r in d["sweeps"]]
         return cls(plan, (d["pair"][0], d["pair"][1]), rounds)
+
+
+def capacity_starts(top: TierRecord, pair: tuple[str, str]) -> dict[str, float]:
+    """Each search's first rate: its system's closed-loop requests/s at the top tier, halved (the SLO's capacity
+    lies below that saturation)."""
+    return {label: 0.5 * (top.requests_per_s(label) or 1.0) for label in pair}
 
 
 def _next_start(result: SweepResult, start: float) -> float:

@@ -16,12 +16,11 @@ from typing import Any
 from qtoolkit.evals.stats.paired import CONFIDENCE, ratio_over_rounds
 
 from ..endpoints.deployment import Deployment, EndpointError, EndpointInfo
-from ..progress import status
 from ..provenance import provenance
-from .ablation import AblationBench, SpeedLooks, SpeedRounds
-from .capacity import CapacityPlan, CapacityRounds, paired_capacity
+from .ablation import SpeedLooks
+from .capacity import CapacityPlan, CapacityRounds, capacity_starts, paired_capacity
 from .load_client import requests_sha256, run_load, summarize, warm_up
-from .loop import Tier, TierLoop, TierRecord, fresh_requests
+from .loop import Tier, TierLoop, TierRecord
 from .summary import ServedBy, TierSummary
 from .types import BenchRequest, Workload
 from .workloads import as_workload
@@ -62,7 +61,9 @@ def bench_deployments(deps: dict[str, Deployment], infos: dict[str, EndpointInfo
                     every_tier=speed is not None)
     tiers = loop.plan(concurrency, num_requests)
     loop.run(tiers)
-    looks = None if speed is None else _speed_rounds(speed, loop, tiers, rounds)
+    looks = None if speed is None else speed.serve(list(ROLES), list(ROLES), rounds,
+                                                   lambda: [TierRecord.of(t) for t in tiers],
+                                                   lambda n: loop.more_rounds(tiers, list(ROLES), n))
     searched = None if capacity is None else _capacity(deps, infos, loop, tiers, capacity, ignore_eos)
     config = {"concurrency": concurrency, "num_requests": num_requests, "workload": traffic.describe(),
               "mean_output_tokens": mean_output_tokens, "max_output_tokens": max_output_tokens, "seed": seed,
@@ -76,38 +77,19 @@ def bench_deployments(deps: dict[str, Deployment], infos: dict[str, EndpointInfo
         ({} if searched is None else {"capacity": searched.to_json()})
 
 
-def _speed_rounds(speed: SpeedLooks, loop: TierLoop, tiers: list[Tier], rounds: int) -> SpeedRounds:
-    """Rounds of both endpoints at every tier until the speed gates decide or the last look is served."""
-    measured = rounds
-    for target in speed.looks[1:]:
-        so_far = SpeedRounds(list(ROLES), list(speed.looks), measured)
-        if speed.decided(AblationBench([TierRecord.from_json(t.to_json()) for t in tiers], list(ROLES), rounds,
-                                       so_far)):
-            break
-        status(f"speed gates undecided after {measured} rounds: {target} rounds of both endpoints")
-        loop.more_rounds(tiers, list(ROLES), target)
-        measured = target
-    return SpeedRounds(list(ROLES), list(speed.looks), measured)
-
-
 def _capacity(deps: dict[str, Deployment], infos: dict[str, EndpointInfo], loop: TierLoop, tiers: list[Tier],
               plan: CapacityPlan, ignore_eos: bool) -> CapacityRounds:
-    """The two endpoints' paired capacity searches, each starting at half its closed-loop requests/s at the top
-    tier, every probe on requests no tier or round had (a server's prefix cache would serve a repeated prompt)."""
+    """The two endpoints' paired capacity searches (bench/capacity.py), as the local bench runs them."""
 
     def probe(role: str, rate: float, k: int) -> TierSummary:
-        reqs = fresh_requests(loop.workload, plan.requests_per_probe, loop.requests + loop.round_requests,
-                              seed=loop.seed + 5000 + k, mean_output_tokens=loop.mean_output_tokens,
-                              max_output_tokens=loop.max_output_tokens)
-        loop.round_requests.extend(reqs)
+        reqs = loop.probe_requests(plan.requests_per_probe, k)
         res, duration = asyncio.run(run_load(infos[role].url, infos[role].model_id, reqs, concurrency=len(reqs),
                                              rate=rate, seed=loop.seed + k, ignore_eos=ignore_eos,
                                              api_key=deps[role].api_key()))
         return TierSummary.of(res, duration, slo=plan.slo, rate=rate)
 
-    top = TierRecord.from_json(tiers[-1].to_json())
-    starts = {role: 0.5 * (top.requests_per_s(role) or 1.0) for role in ROLES}
-    return paired_capacity(probe, ("baseline", "candidate"), plan, starts)
+    pair = ("baseline", "candidate")
+    return paired_capacity(probe, pair, plan, capacity_starts(TierRecord.of(tiers[-1]), pair))
 
 
 @dataclass(frozen=True)

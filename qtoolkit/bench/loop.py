@@ -186,6 +186,14 @@ class TierLoop:
             status(f"concurrency {tier.concurrency}, {name}: {len(reqs)} requests against {label}")
             tier.add_round(label, self.measure(label, reqs, tier.concurrency, self.seed + t + r))
 
+    def probe_requests(self, n: int, k: int) -> list[BenchRequest]:
+        """The k-th capacity probe's `n` requests: none a tier or round had (a server's prefix cache would serve
+        a repeated prompt), kept with the rounds' so that later probes draw others."""
+        reqs = fresh_requests(self.workload, n, self.requests + self.round_requests, seed=self.seed + 5000 + k,
+                              mean_output_tokens=self.mean_output_tokens, max_output_tokens=self.max_output_tokens)
+        self.round_requests.extend(reqs)
+        return reqs
+
     def more_rounds(self, tiers: list[Tier], labels: list[str], until: int) -> None:
         """Rounds of `labels` at every tier until each has `until` (the speed gates' further looks); a tier's
         k-th repeated index is its position, as when `every_tier` repeated them."""
