@@ -24,7 +24,15 @@ from .slo_sweep import RateSearch, SweepResult
 from .summary import SLO, TierSummary
 
 FIRST_STEP, LATER_STEP, LATER_START = 2.0, 1.3, 1 / 1.15
-LOOK_STEP = 2  # rounds added per further look, as the other speed gates add them
+LOOK_STEP = 2  # rounds added per further look, by the speed gates (signoff/speed.py) and the capacity gate
+
+
+def round_looks(first: int, max_rounds: int | None) -> tuple[int, ...]:
+    """Round counts of successive looks: first, first + LOOK_STEP, ... up to max_rounds (at least first)."""
+    looks = [first]
+    while max_rounds is not None and looks[-1] < max_rounds:
+        looks.append(min(looks[-1] + LOOK_STEP, max_rounds))
+    return tuple(looks)
 # a probe lasts requests / rate, so halving without end costs minutes a probe: a server that misses the SLO at an
 # eighth of its start (half its closed-loop requests/s at the top tier) has no capacity worth gating, and the
 # search stops there (the gate then says so instead of deciding)
@@ -50,10 +58,7 @@ class CapacityPlan:
     @property
     def looks(self) -> tuple[int, ...]:
         """The round counts at which the gate is judged: rounds, rounds + 2, ... up to max_rounds."""
-        looks = [self.rounds]
-        while self.max_rounds is not None and looks[-1] < self.max_rounds:
-            looks.append(min(looks[-1] + LOOK_STEP, self.max_rounds))
-        return tuple(looks)
+        return round_looks(self.rounds, self.max_rounds)
 
     def to_json(self) -> dict[str, Any]:
         return {"slo": {k: v for k, v in vars(self.slo).items() if v is not None}, "rounds": self.rounds,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..bench.ablation import AblationBench, SpeedLooks
-from ..bench.capacity import CapacityPlan, CapacityRounds
+from ..bench.capacity import CapacityPlan, CapacityRounds, round_looks
 from ..bench.loop import TierRecord
 from ..evals.stats.paired import ratio_over_rounds
 from . import verdicts
@@ -40,15 +40,6 @@ DECODE, PREFILL, CAPACITY = "decode", "prefill", "capacity"
 # (figure, the gate's metric name) per kind: what a round's ratio is made of
 KINDS = {DECODE: ("rounds_tpot", "decode_tpot_ratio"), PREFILL: ("rounds_ttft", "prefill_ttft_ratio"),
          CAPACITY: ("estimates_rps", "capacity_ratio")}
-LOOK_STEP = 2  # rounds added per further look
-
-
-def round_looks(first: int, max_rounds: int | None) -> tuple[int, ...]:
-    """Round counts of successive looks: first, first + 2, ... up to max_rounds (at least first)."""
-    looks = [first]
-    while max_rounds is not None and looks[-1] < max_rounds:
-        looks.append(min(looks[-1] + LOOK_STEP, max_rounds))
-    return tuple(looks)
 
 
 def speed_design(looks: tuple[int, ...] | list[int], alpha: float = ALPHA) -> Design:
