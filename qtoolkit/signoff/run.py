@@ -196,11 +196,10 @@ class SignoffRun:
         interval per tier) and the speed gates' pair serves more, up to --max-rounds, while a gate is undecided."""
         cfg, policy, data = self.cfg, self.policy, self.data
         quantization_gate = policy.throughput.min_quantization_speedup is not None
-        speed = policy.throughput.min_decode_speedup is not None or policy.throughput.prefill_margin is not None
-        repeat = None if speed else \
+        plan = SpeedPlan.of(policy, cfg.rounds, cfg.max_rounds)
+        repeat = None if plan.speed is not None else \
             ("baseline_static", "full_stack") + (("candidate_static",) if quantization_gate else ())
         engine = EngineConfig(speculative=cfg.speculative, kv_cache_dtype=self.kv)
-        plan = SpeedPlan.of(policy, cfg.rounds, cfg.max_rounds)
         kwargs = {"concurrency": cfg.concurrency, "num_requests": cfg.num_requests,
                   "mean_output_tokens": cfg.mean_output_tokens, "seed": cfg.seed, "rounds": cfg.rounds,
                   "repeat": repeat, "workload": workload.bench_workload(cfg.data, self.out / "eval.json"),
