@@ -25,6 +25,7 @@ import numpy as np
 from ..bench.capacity import CapacityPlan, paired_capacity
 from ..bench.summary import SLO, Distribution, TierSummary
 from ..io import write_text
+from .error_spending import ALPHA
 from .policy import CapacityGate, Policy, SLOBounds, load_policy
 from .speed import capacity_decided, capacity_ratio
 
@@ -66,7 +67,7 @@ def _summary(p99_s: float) -> TierSummary:
 
 
 def simulate(sigma: float, steepness: float, rounds: int, max_rounds: int | None, runs: int, seed: int,
-             true_ratio: float = BOUND) -> Cell:
+             true_ratio: float = BOUND, alpha: float = ALPHA) -> Cell:
     rng = np.random.default_rng(seed)
     policy = _policy()
     plan = CapacityPlan(SLO(ttft_ms=SLO_MS), rounds=rounds, max_rounds=max_rounds,
@@ -85,7 +86,7 @@ def simulate(sigma: float, steepness: float, rounds: int, max_rounds: int | None
         result = paired_capacity(probe, ("b", "c"), plan, starts)
         probes += sum(len(s.points) for r in result.rounds for s in r.values())
         measured += len(result.rounds)
-        fig = capacity_ratio(result)
+        fig = capacity_ratio(result, alpha)
         if fig.complete and fig.ci is not None:
             passes += fig.ci[0] >= BOUND
             fails += fig.ci[1] < BOUND
@@ -109,16 +110,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", required=True)
+    ap.add_argument("--alpha", type=float, default=ALPHA,
+                    help="the error the gate is judged with: 0.05 for one sign-off, a sweep's family share "
+                         "(0.05 / m at most) for each of m candidates")
     args = ap.parse_args(argv)
-    if args.runs < 1:
-        print("error: --runs must be at least 1: pass e.g. --runs 2000", file=sys.stderr)
+    if args.runs < 1 or not 0 < args.alpha < 1:
+        print("error: --runs must be at least 1 and --alpha in (0, 1): pass e.g. --runs 2000 --alpha 0.05",
+              file=sys.stderr)
         return 2
     os.environ["QTOOLKIT_QUIET"] = "1"  # no status line per probe
     grid = [(s, k, r, BOUND, args.runs) for s in SIGMAS for k in STEEPNESS for r in ROUNDS]
     grid += [(s, 2.0, r, POWER_RATIO, max(1, args.runs // 2)) for s in SIGMAS for r in ROUNDS]
     cells = []
     for i, (sigma, k, (rounds, most), ratio, runs) in enumerate(grid):
-        cells.append(c := simulate(sigma, k, rounds, most, runs, args.seed + i, ratio))
+        cells.append(c := simulate(sigma, k, rounds, most, runs, args.seed + i, ratio, args.alpha))
         print(f"ratio {ratio:g} sigma {sigma:.2f} k {k:g} rounds {rounds}{f'-{most}' if most else ''} "
               f"({c.mean_rounds:.1f}): PASS {c.false_pass:.2%} (one search {c.false_pass_one_search:.2%}), "
               f"FAIL {c.fail_rate:.2%}, {c.mean_probes:.1f} probes", file=sys.stderr)
@@ -126,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(c.false_pass for c in at_bound)
     write_text(args.output, json.dumps({
         "what": "false PASS of the capacity gate with the true capacity ratio exactly on the bound",
-        "bound": BOUND, "target": TARGET, "runs_per_cell": args.runs, "seed": args.seed,
+        "bound": BOUND, "target": TARGET, "alpha": args.alpha, "runs_per_cell": args.runs, "seed": args.seed,
         "worst_false_pass": worst, "all_within_target": all(c.ok for c in cells),
         "cells": [asdict(c) for c in at_bound],
         "power": {"true_ratio": POWER_RATIO, "what": "how often the gate PASSes (false_pass: here the pass rate) "
