@@ -109,9 +109,10 @@ def test_signoff_decides_names_the_endpoints_and_lists_what_it_cannot_measure(ru
     capacity = gates["throughput.capacity_ratio"]
     searched = bench["capacity"]["estimates_rps"]
     assert set(searched) == {"baseline", "candidate"} and not capacity["required"]
-    if len(searched["baseline"]) < 3:  # a round found no capacity for a server: the searches stop, no evidence
-        assert None in searched["baseline"] + searched["candidate"] and capacity["verdict"] == "NO EVIDENCE"
+    if None in searched["baseline"] + searched["candidate"]:  # a round found no capacity: the searches stop there
+        assert capacity["verdict"] == "NO EVIDENCE" and len(searched["baseline"]) >= 1
     else:
+        assert len(searched["baseline"]) >= 3
         assert capacity["verdict"] in ("PASS", "FAIL", "INCONCLUSIVE") and capacity["point"] is not None
     assert report["ablation"] is None and report["diagnose"] is None  # never filled in from the local engine
     assert {x["key"] for x in report["not_measurable"]} >= {"ablation", "kld", "speculative_engine", "diagnose"}
