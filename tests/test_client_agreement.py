@@ -68,3 +68,25 @@ def test_vllm_bench_serve_reads_qtool_serve(tmp_path):
     assert set(t["rounds"]) == {"qtool", "vllm"} and result["agree"] == (code == 0)
     for r in (t["ttft_ratio"]["vllm"], t["tpot_ratio"]["vllm"]):
         assert math.isfinite(r) and r > 0
+
+
+def test_guidellm_is_asked_for_greedy_decoding_as_the_other_two_clients_are(tmp_path):
+    """GuideLLM sends no temperature by default, so the server sampled at 1.0 for it alone: its c=4 inter-token
+    latency read 1.19x qtool's for that reason (measurements/2026-12-05/issue40e/). The scenario it runs must ask for
+    what qtool bench serve asks for."""
+    from qtoolkit.bench.load_client import request_body
+    from qtoolkit.bench.types import BenchRequest
+    from qtoolkit.peers.client_agreement import Load, guidellm_reading
+
+    fake = tmp_path / "guidellm"  # records its scenario and writes the one result field read back
+    fake.write_text("#!/bin/sh\ncp \"$3\" \"$(dirname \"$3\")/seen.json\"\n"
+                    "echo '{\"benchmarks\": [{\"metrics\": {\"time_to_first_token_ms\": {\"successful\": "
+                    "{\"median\": 5.0}}, \"inter_token_latency_ms\": {\"successful\": {\"median\": 2.0}}}}]}' "
+                    "> \"${5#kind=json,path=}\"\n")
+    fake.chmod(0o755)
+    load = Load("http://127.0.0.1:1", "m", "tok", tmp_path / "p.jsonl", tmp_path / "g.jsonl", 2, 8, 0)
+    assert guidellm_reading(fake, load, 4, tmp_path / "out.json") == Reading(5.0, 2.0)
+    spec = json.loads((tmp_path / "seen.json").read_text())["spec"]
+    ours = request_body("m", BenchRequest(0, "completion", "p", 8), api="completions", ignore_eos=True)
+    assert spec["backend"]["extras"]["body"]["temperature"] == ours["temperature"] == 0
+    assert spec["profile"] == {"kind": "concurrent", "streams": 4}

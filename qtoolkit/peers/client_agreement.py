@@ -128,14 +128,16 @@ def guidellm_reading(exe: Path, load: Load, c: int, out: Path) -> Reading:
     scenario = out.with_suffix(".scenario.json")
     scenario.write_text(json.dumps({"spec": {
         "backend": {"kind": "openai_http", "target": load.url, "model": load.model,
-                    "request_format": "/v1/completions"},
+                    "request_format": "/v1/completions",
+                    "extras": {"body": {"temperature": 0}}},
         "profile": {"kind": "concurrent", "streams": c},
         "data": [{"kind": "json_file", "path": str(load.guidellm_prompts)}],
         "constraints": [{"kind": "max_requests", "count": load.num_prompts}]}}))
-    # GuideLLM sends from worker processes, one per stream up to 10 by default; one worker carries every stream
-    # of a tier as the other two clients' single asyncio loops do. It is not why its c=4 inter-token latency
-    # reads high: 1.20x qtool's with four workers (measurements/2026-12-04/issue40b/), 1.19x with one
-    # (measurements/2026-12-05/issue40d/, idle), while vLLM's client reads 1.04x
+    # GuideLLM sends no temperature unless told, so the server samples at its default 1.0 while the other two
+    # clients ask for greedy decoding; sampling four streams costs the engine more per step, and that alone read
+    # as GuideLLM's c=4 inter-token latency at 1.19x qtool's (measurements/2026-12-05/issue40d/), 1.00-1.02x
+    # once GuideLLM asks for temperature 0 too (measurements/2026-12-05/issue40e/). One worker process carries
+    # every stream of a tier, as the other two clients' single asyncio loops do.
     run_cli([str(exe), "run", "--scenario", str(scenario), "--output", f"kind=json,path={out}",
              "--disable-console-interactive"], "guidellm run",
             env={"GUIDELLM__MAX_WORKER_PROCESSES": str(load.guidellm_workers)})
