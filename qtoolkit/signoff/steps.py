@@ -1,5 +1,4 @@
-"""What a sign-off is asked (SignoffConfig) and how its steps run once per input hash (StepRunner, steps.json),
-each step's outcome a StepOutcome."""
+"""How a sign-off's steps run once per input hash (StepRunner, steps.json), each step's outcome a StepOutcome."""
 
 from __future__ import annotations
 
@@ -7,16 +6,14 @@ import json
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import OutputWriteError, QToolError
-from ..evals.custom import custom_tasks
 from ..io import lock_output, read_results_json, write_json
 from ..progress import status
 from ..provenance import code_identity, text_sha256
-from . import defaults
 
 STEPS = ("quantize", "eval", "bench", "diagnose")
 
@@ -60,45 +57,6 @@ class StepOutcome:
     def from_json(cls, d: dict[str, Any]) -> StepOutcome:
         return cls(d.get("status"), d.get("key"), d.get("output"), d.get("error"), d.get("traceback"),
                    d.get("reason"), d.get("note"), d.get("seconds"), bool(d.get("skipped")))
-
-
-@dataclass
-class SignoffConfig:
-    model: str = defaults.MODEL
-    recipe: str = "fp8-dynamic"
-    output: str = "runs/signoff"
-    policy: str = defaults.POLICY
-    limit: int = defaults.LIMIT
-    endpoint: str | None = None  # evaluate the candidate through a served endpoint instead of the engine
-    concurrency: list[int] = field(default_factory=lambda: list(defaults.CONCURRENCY))
-    num_requests: int | None = None
-    mean_output_tokens: int = defaults.MEAN_OUTPUT_TOKENS
-    speculative: str | None = defaults.SPECULATIVE  # e.g. "ngram": adds the speculative layer to the ablation
-    # the candidate's KV cache in its eval and bench servers; auto: the checkpoint's kv_cache_scheme when it has
-    # one, else the model's dtype. A quantized cache adds the ablation's KV cache layer (bench_kv.json)
-    kv_cache_dtype: str = defaults.KV_CACHE_DTYPE
-    diagnose_batches: tuple[int, ...] = (1, 8)
-    seed: int = 0
-    rounds: int = defaults.ROUNDS  # of every ablation system at every tier (the speed gates' first look)
-    max_rounds: int | None = defaults.MAX_ROUNDS  # the speed gates' budget: more rounds while a gate is undecided
-    max_items: int | None = None  # budget of items per task when a quality gate is inconclusive (qtoolkit/signoff/sequential.py)
-    allow_weak_sandbox: bool = False  # run model-written code even where bubblewrap cannot
-    rejudge: bool = False  # decide again from the step outputs in `output`, running nothing
-    # a deployment sign-off (qtoolkit.signoff.deployment): both sides measured through endpoints; `model` and
-    # `baseline` then name the local checkpoints (tokenizers, memory figures)
-    candidate_endpoint: str | None = None
-    baseline_endpoint: str | None = None
-    baseline: str | None = None
-    candidate_model_id: str | None = None
-    baseline_model_id: str | None = None
-    data: list[str] = field(default_factory=list)  # workload files: custom:STEM tasks and the bench's traffic
-    # the baseline's completions on disk (evals/backends/cached.py): a sweep over several recipes generates them once
-    baseline_generations: str | None = None
-
-    def task_options(self) -> dict[str, Any]:
-        """What every eval of this sign-off passes its tasks: the sandbox choice and the workload files' tasks."""
-        return {"allow_weak_sandbox": self.allow_weak_sandbox, "custom_data": custom_tasks(self.data)}
-
 
 
 class StepRunner:
