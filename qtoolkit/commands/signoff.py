@@ -190,11 +190,13 @@ def run(args: argparse.Namespace) -> int:
             case DeploymentSignoffConfig():
                 report = signoff_deployments(cfg)
             case SweepSignoffConfig():
-                return _print_sweep(signoff_sweep(cfg), args.output)
+                report = signoff_sweep(cfg)
             case EndpointSweepSignoffConfig():
-                return _print_sweep(signoff_endpoint_sweep(cfg), args.output)
+                report = signoff_endpoint_sweep(cfg)
             case _:
                 raise TypeError(f"{type(cfg).__name__} is no sign-off mode")
+    if isinstance(cfg, (SweepSignoffConfig, EndpointSweepSignoffConfig)):
+        return _print_sweep(report, args.output)
     print(f"verdict: {report['verdict']}")
     for reason in report["reasons"]:
         print(f"  - {reason}")
