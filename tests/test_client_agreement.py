@@ -84,9 +84,22 @@ def test_guidellm_is_asked_for_greedy_decoding_as_the_other_two_clients_are(tmp_
                     "{\"median\": 5.0}}, \"inter_token_latency_ms\": {\"successful\": {\"median\": 2.0}}}}]}' "
                     "> \"${5#kind=json,path=}\"\n")
     fake.chmod(0o755)
-    load = Load("http://127.0.0.1:1", "m", "tok", tmp_path / "p.jsonl", tmp_path / "g.jsonl", 2, 8, 0)
+    load = Load("http://127.0.0.1:1", "m", "tok", tmp_path / "p.jsonl", tmp_path / "v.jsonl", tmp_path / "g.jsonl", 2, 0)
     assert guidellm_reading(fake, load, 4, tmp_path / "out.json") == Reading(5.0, 2.0)
     spec = json.loads((tmp_path / "seen.json").read_text())["spec"]
     ours = request_body("m", BenchRequest(0, "completion", "p", 8), api="completions", ignore_eos=True)
     assert spec["backend"]["extras"]["body"]["temperature"] == ours["temperature"] == 0
     assert spec["profile"] == {"kind": "concurrent", "streams": 4}
+
+
+def test_each_client_reads_the_same_prompts_and_lengths_in_its_own_format(tmp_path):
+    from qtoolkit.peers.client_agreement import output_lengths, write_prompts
+
+    spread = output_lengths(16, 64, True, seed=0)
+    assert spread == output_lengths(16, 64, True, seed=0) and len(set(spread)) > 4
+    assert all(32 <= k <= 96 for k in spread) and output_lengths(3, 64, False, 0) == [64, 64, 64]
+    files = write_prompts(tmp_path, 16, spread)
+    rows = [[json.loads(line) for line in f.read_text().splitlines()] for f in files]
+    for column, file_rows in zip(("max_tokens", "output_tokens", "output_tokens_count"), rows, strict=True):
+        assert [r[column] for r in file_rows] == spread
+        assert [r["prompt"] for r in file_rows] == [r["prompt"] for r in rows[0]]

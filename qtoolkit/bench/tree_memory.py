@@ -46,6 +46,7 @@ class TreeSample:
     pss_bytes: int | None
     processes: int
     servers: int  # `qtool serve` processes among them
+    root_pss_bytes: int | None = None  # the root's own PSS: what a long-lived parent keeps between its steps
 
 
 def tree_sample(root: psutil.Process, *, pss: bool = False, include_root: bool = True) -> TreeSample:
@@ -54,15 +55,17 @@ def tree_sample(root: psutil.Process, *, pss: bool = False, include_root: bool =
         procs = ([root] if include_root else []) + root.children(recursive=True)
     except psutil.Error:
         procs = []
-    rss, pss_sum, servers, seen = 0, 0 if pss else None, 0, 0
+    rss, pss_sum, servers, seen, root_pss = 0, 0 if pss else None, 0, 0, None
     for p in procs:
         with contextlib.suppress(psutil.Error):
             rss += p.memory_info().rss
             seen += 1
             servers += " serve " in " ".join(p.cmdline()) + " "
             if pss_sum is not None:
-                pss_sum += pss_bytes(p.pid) or 0
-    return TreeSample(rss, pss_sum, seen, servers)
+                own = pss_bytes(p.pid) or 0
+                pss_sum += own
+                root_pss = own if p.pid == root.pid else root_pss
+    return TreeSample(rss, pss_sum, seen, servers, root_pss)
 
 
 @dataclass
@@ -93,7 +96,8 @@ class MemoryRun:
     wall_s: float = 0.0
     rss: Peak = field(default_factory=Peak)
     pss: Peak = field(default_factory=Peak)
-    # [seconds, max summed RSS GiB, max summed PSS GiB, processes] per second of the run
+    root_pss: Peak = field(default_factory=Peak)  # the command's own process, apart from its children
+    # [seconds, max summed RSS GiB, max summed PSS GiB, processes, the root's max PSS GiB] per second of the run
     timeline: list[list[float]] = field(default_factory=list)
     status_lines: list[tuple[float, str]] = field(default_factory=list)  # the command's `qtool:` lines, timed
 
@@ -105,7 +109,8 @@ class MemoryRun:
                         "counts 1/n in each, so the sum is what the tree holds) and summed RSS (a shared page "
                         "counts in every process: a forked child counts its parent's pages again)",
                 "peak_pss": self.pss.to_json(), "peak_rss": self.rss.to_json(),
-                "timeline_s_rss_pss_gib_processes": self.timeline,
+                "peak_root_pss": self.root_pss.to_json(),
+                "timeline_s_rss_pss_gib_processes_root_pss_gib": self.timeline,
                 "status_lines": [[round(t, 1), s] for t, s in self.status_lines]}
 
 
@@ -113,15 +118,16 @@ class _Timeline:
     """Readings folded into one row a second (each figure's largest), so a long run stays a small file."""
 
     def __init__(self, run: MemoryRun):
-        self.run, self.second, self.row = run, -1, [0.0, 0.0, 0.0, 0.0]
+        self.run, self.second, self.row = run, -1, [0.0, 0.0, 0.0, 0.0, 0.0]
 
     def add(self, t: float, s: TreeSample) -> None:
         if int(t) != self.second:
             self.flush()
-            self.second, self.row = int(t), [round(t, 1), 0.0, 0.0, 0.0]
+            self.second, self.row = int(t), [round(t, 1), 0.0, 0.0, 0.0, 0.0]
         self.row[1] = max(self.row[1], round(s.rss_bytes / GIB, 3))
         self.row[2] = max(self.row[2], round((s.pss_bytes or 0) / GIB, 3))
         self.row[3] = max(self.row[3], s.processes)
+        self.row[4] = max(self.row[4], round((s.root_pss_bytes or 0) / GIB, 3))
 
     def flush(self) -> None:
         if self.second >= 0:
@@ -166,6 +172,7 @@ def run_sampled(command: list[str], every_s: float = 0.5) -> MemoryRun:
             s = tree_sample(root, pss=True)
             run.rss.offer(s.rss_bytes, t, s.processes)
             run.pss.offer(s.pss_bytes, t, s.processes)
+            run.root_pss.offer(s.root_pss_bytes, t, 1)
             timeline.add(t, s)
             time.sleep(every_s)
     except KeyboardInterrupt:  # the peaks so far are still written; the command does not outlive them

@@ -5,7 +5,7 @@ with the order rotated each round; each client's median TTFT and median TPOT (vL
 after its first token over its remaining tokens; GuideLLM's inter-token latency) are set against qtoolkit's.
 
     python -m qtoolkit.peers.client_agreement --output agreement.json [--model default] [--concurrency 1,4]
-        [--num-prompts 16] [--output-tokens 64] [--rounds 3] [--vllm-env .venv-vllm] [--guidellm PATH]
+        [--num-prompts 16] [--output-tokens 64] [--lengths spread|fixed] [--rounds 3] [--vllm-env .venv-vllm] [--guidellm PATH]
 
 Each client is run as a user runs it, from its command line, and read from the JSON it writes.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -49,10 +50,10 @@ class Load:
     url: str
     model: str  # the served model's name
     tokenizer: str
-    prompts: Path  # JSONL: prompt, max_tokens (qtool, vLLM's custom dataset)
+    prompts: Path  # JSONL: prompt, max_tokens (qtool bench serve's workload file)
+    vllm_prompts: Path  # JSONL: prompt, output_tokens (vLLM's custom dataset)
     guidellm_prompts: Path  # JSONL: prompt, output_tokens_count (GuideLLM's column names)
     num_prompts: int
-    output_tokens: int
     seed: int
     guidellm_workers: int = 1
 
@@ -116,7 +117,7 @@ def qtool_reading(load: Load, c: int, out: Path) -> Reading:
 def vllm_reading(python: Path, load: Load, c: int, out: Path) -> Reading:
     run_cli([str(python), "-c", VLLM_BENCH, "--backend", "openai", "--base-url", load.url, "--endpoint",
           "/v1/completions", "--model", load.model, "--tokenizer", load.tokenizer, "--dataset-name", "custom",
-          "--dataset-path", str(load.prompts), "--custom-output-len", str(load.output_tokens), "--skip-chat-template",
+          "--dataset-path", str(load.vllm_prompts), "--custom-output-len", "-1", "--skip-chat-template",
           "--disable-shuffle", "--num-prompts", str(load.num_prompts), "--max-concurrency", str(c), "--ignore-eos",
           "--temperature", "0", "--seed", str(load.seed), "--disable-tqdm", "--save-result", "--result-dir",
              str(out.parent), "--result-filename", out.name], "vllm bench serve")
@@ -146,19 +147,36 @@ def guidellm_reading(exe: Path, load: Load, c: int, out: Path) -> Reading:
                    m["inter_token_latency_ms"]["successful"]["median"])
 
 
-def write_prompts(folder: Path, n: int, output_tokens: int) -> tuple[Path, Path]:
+def output_lengths(n: int, mean: int, spread: bool, seed: int) -> list[int]:
+    """Every request's output length: `mean` each, or (spread) drawn uniformly from [mean/2, 3 mean/2].
+
+    With one length for all, the streams of a tier start and end together, and where a wave's first arrival
+    lands a few ms before the rest (GuideLLM's dispatch does), the replacements' prefills fall inside the others'
+    last tokens round after round: the server's per-token time then hangs on a client's dispatch jitter, not on
+    what the clients measure. Spread lengths desynchronise the streams as real traffic does."""
+    if not spread:
+        return [mean] * n
+    rng = random.Random(seed)
+    return [rng.randint(max(2, mean // 2), mean + mean // 2) for _ in range(n)]
+
+
+def write_prompts(folder: Path, n: int, lengths: list[int]) -> tuple[Path, Path, Path]:
+    """The same prompts and output lengths in each client's own file format."""
     from ..bench.workloads import code_prompts, summarization_prompts
 
     code, summ = code_prompts(), summarization_prompts()
     prompts = [(code if i % 2 == 0 else summ)[i // 2] for i in range(n)]
-    a, b = folder / "prompts.jsonl", folder / "prompts-guidellm.jsonl"
-    a.write_text("".join(json.dumps({"prompt": p, "max_tokens": output_tokens}) + "\n" for p in prompts))
-    b.write_text("".join(json.dumps({"prompt": p, "output_tokens_count": output_tokens}) + "\n" for p in prompts))
-    return a, b
+    files = {"prompts.jsonl": "max_tokens", "prompts-vllm.jsonl": "output_tokens",
+             "prompts-guidellm.jsonl": "output_tokens_count"}
+    for name, column in files.items():
+        (folder / name).write_text("".join(json.dumps({"prompt": p, column: k}) + "\n"
+                                           for p, k in zip(prompts, lengths, strict=True)))
+    a, b, c = (folder / name for name in files)
+    return a, b, c
 
 
-def measure(model: str, concurrency: list[int], *, num_prompts: int, output_tokens: int, rounds: int, seed: int,
-            vllm_python: Path | None, guidellm: Path | None, guidellm_workers: int = 1) -> list[TierAgreement]:
+def measure(model: str, concurrency: list[int], *, num_prompts: int, output_tokens: int, spread: bool, rounds: int,
+            seed: int, vllm_python: Path | None, guidellm: Path | None, guidellm_workers: int = 1) -> list[TierAgreement]:
     """Rounds of every client at every tier; a client whose path is None is left out."""
     source = resolve_model(model)
     clients = tuple(c for c, there in zip(CLIENTS, (True, vllm_python, guidellm), strict=True) if there)
@@ -167,9 +185,9 @@ def measure(model: str, concurrency: list[int], *, num_prompts: int, output_toke
     # after the first a prefill-free TTFT (measured: 201 ms for the first client, 25-32 for the next two)
     with tempfile.TemporaryDirectory() as tmp, server_process(model, EngineConfig(enable_prefix_caching=False)) as url:
         work = Path(tmp)
-        prompts, gprompts = write_prompts(work, num_prompts, output_tokens)
+        files = write_prompts(work, num_prompts, output_lengths(num_prompts, output_tokens, spread, seed))
         served = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        load = Load(url, served, str(source.path), prompts, gprompts, num_prompts, output_tokens, seed,
+        load = Load(url, served, str(source.path), *files, num_prompts, seed,
                     guidellm_workers)
         readers = {"qtool": lambda c, o: qtool_reading(load, c, o),
                    "vllm": lambda c, o: vllm_reading(vllm_python, load, c, o),
@@ -193,7 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="default")
     p.add_argument("--concurrency", default="1,4")
     p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=64, help="each request's output length, or their mean "
+                   "with --lengths spread")
+    p.add_argument("--lengths", choices=("spread", "fixed"), default="spread",
+                   help="spread: uniform in [N/2, 3N/2] for --output-tokens N (streams desynchronised, as in real "
+                        "traffic); fixed: N for every request (streams in lockstep)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clients", default=",".join(CLIENTS), help="qtool and any of vllm, guidellm")
@@ -230,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         vllm_python = ensure_env(a.vllm_env).python if "vllm" in clients else None
         tiers = measure(a.model, concurrency, num_prompts=a.num_prompts, output_tokens=a.output_tokens,
+                        spread=a.lengths == "spread",
                         rounds=a.rounds, seed=a.seed, vllm_python=vllm_python,
                         guidellm=a.guidellm.absolute() if "guidellm" in clients else None,
                         guidellm_workers=a.guidellm_workers)

@@ -62,8 +62,11 @@ class StepOutcome:
 class StepRunner:
     """Runs steps once per input hash; remembers outcomes in steps.json."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, *, replay: bool = False):
         self.folder = folder
+        # replay: read the outcomes another process recorded here, running nothing (a sweep's candidate
+        # quantized and evaluated in a child process: signoff/apart.py)
+        self.replay = replay
         self.path = folder / "steps.json"
         self.lock = lock_output(self.path)  # one sign-off at a time per folder: a second fails at once
         state = read_results_json(self.path) if self.path.is_file() else {}
@@ -105,6 +108,11 @@ class StepRunner:
         if prev is not None and self.finished(name, inputs, output):
             status(f"{name}: up to date ({output.name}), skipped")
             return replace(prev, reused=True)
+        if self.replay:
+            if prev is not None and prev.key == key and prev.status == "error":
+                return prev
+            return StepOutcome.failed(f"{name}: its process ended before the step finished; rerun the same "
+                                      "command to resume it")
         status(f"{name}: running")
         self.state[name] = StepOutcome("running", key)
         self._write()

@@ -32,6 +32,7 @@ from ..progress import status
 from ..quantize.plausibility import check_source
 from ..quantize.recipe import Recipe, load_recipe
 from . import verdicts, workload
+from .apart import run_apart
 from .config import (
     DeploymentSignoffConfig,
     EndpointSweepSignoffConfig,
@@ -138,9 +139,21 @@ def _guard(c: Candidate, fn: Callable[[], object]) -> None:
 
 
 def _start(c: Candidate, policy: Policy, recipe: Recipe, source: ModelSource) -> None:
+    """Quantize and evaluate in a process of its own (apart.py: what its libraries keep goes with it), then take
+    up its recorded outcomes here for the bench and the report."""
     Path(c.cfg.output).mkdir(parents=True, exist_ok=True)
-    c.run = SignoffRun(c.cfg, policy, recipe, source, c.folder, StepRunner(c.folder))
+    run_apart(f"candidate {c.name}'s quantize and eval", _quality, c.cfg, policy, recipe, source, c.folder)
+    c.run = SignoffRun(c.cfg, policy, recipe, source, c.folder, StepRunner(c.folder, replay=True))
     c.run.quality()
+    c.run.runner.replay = False  # the bench and the diagnosis run in this process
+
+
+def _quality(cfg: LocalSignoffConfig, policy: Policy, recipe: Recipe, source: ModelSource, folder: Path) -> None:
+    run = SignoffRun(cfg, policy, recipe, source, folder, StepRunner(folder))
+    try:
+        run.quality()
+    finally:
+        run.runner.lock.release()
 
 
 def _already_failed(c: Candidate, policy: Policy) -> str | None:
