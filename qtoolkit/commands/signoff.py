@@ -176,14 +176,14 @@ def _deployment_config(args: argparse.Namespace, endpoint: str | None, common: d
 
 
 def run(args: argparse.Namespace) -> int:
-    # start-up time (`qtool --help` imports every command): the sign-off loads the evals, llm-compressor, torch
-    from qtoolkit.signoff.deployment import signoff_deployments
-    from qtoolkit.signoff.run import signoff_local
-    from qtoolkit.signoff.sweep import signoff_endpoint_sweep, signoff_sweep
-
     cfg = config_of(args)
-    # stdout carries the verdict; llm-compressor's loguru sink binds to whatever sys.stdout is at its import
+    # stdout carries the verdict; llm-compressor's loguru sink binds to whatever sys.stdout is at its import, so
+    # the sign-off is imported inside the redirect (imported here, not above: `qtool --help` imports every command)
     with contextlib.redirect_stdout(sys.stderr):
+        from qtoolkit.signoff.deployment import signoff_deployments
+        from qtoolkit.signoff.run import signoff_local
+        from qtoolkit.signoff.sweep import signoff_endpoint_sweep, signoff_sweep
+
         match cfg:  # the mode is the configuration's type, never which of its fields are set
             case LocalSignoffConfig():
                 report = signoff_local(cfg)
