@@ -106,7 +106,8 @@ class StepRunner:
         key = self.key(inputs)
         prev = self.state.get(name)
         if prev is not None and self.finished(name, inputs, output):
-            status(f"{name}: up to date ({output.name}), skipped")
+            if not self.replay:  # a replayed step has just said what it did, in its own process
+                status(f"{name}: up to date ({output.name}), skipped")
             return replace(prev, reused=True)
         if self.replay:
             if prev is not None and prev.key == key and prev.status == "error":
