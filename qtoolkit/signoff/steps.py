@@ -59,18 +59,24 @@ class StepOutcome:
                    d.get("reason"), d.get("note"), d.get("seconds"), bool(d.get("skipped")))
 
 
+def recorded(folder: Path) -> dict[str, StepOutcome]:
+    """The step outcomes steps.json in `folder` holds now (none when there is none)."""
+    path = folder / "steps.json"
+    return {n: StepOutcome.from_json(e) for n, e in read_results_json(path).items()} if path.is_file() else {}
+
+
 class StepRunner:
     """Runs steps once per input hash; remembers outcomes in steps.json."""
 
-    def __init__(self, folder: Path, *, replay: bool = False):
+    def __init__(self, folder: Path, *, replay: dict[str, StepOutcome] | None = None):
         self.folder = folder
-        # replay: read the outcomes another process recorded here, running nothing (a sweep's candidate
-        # quantized and evaluated in a child process: signoff/apart.py)
+        # replay: take up the outcomes another process recorded here, running nothing (a sweep's candidate
+        # quantized and evaluated in a child process: signoff/apart.py); the dict is steps.json before that
+        # process ran, so a step it reused is told from one it ran
         self.replay = replay
         self.path = folder / "steps.json"
         self.lock = lock_output(self.path)  # one sign-off at a time per folder: a second fails at once
-        state = read_results_json(self.path) if self.path.is_file() else {}
-        self.state: dict[str, StepOutcome] = {n: StepOutcome.from_json(e) for n, e in state.items()}
+        self.state: dict[str, StepOutcome] = recorded(folder)
 
     def _write(self) -> None:
         write_json(self.path, {n: o.to_json() for n, o in self.state.items()})
@@ -106,10 +112,10 @@ class StepRunner:
         key = self.key(inputs)
         prev = self.state.get(name)
         if prev is not None and self.finished(name, inputs, output):
-            if not self.replay:  # a replayed step has just said what it did, in its own process
+            if self.replay is None:  # a replayed step has said what it did, in its own process
                 status(f"{name}: up to date ({output.name}), skipped")
-            return replace(prev, reused=True)
-        if self.replay:
+            return replace(prev, reused=self.replay is None or self.replay.get(name) == prev)
+        if self.replay is not None:
             if prev is not None and prev.key == key and prev.status == "error":
                 return prev
             return StepOutcome.failed(f"{name}: its process ended before the step finished; rerun the same "

@@ -45,7 +45,7 @@ from .judge import Gate, evaluate_gates
 from .policy import Policy, load_policy
 from .ranking import Bought, Row, worst_gate, write_sweep_reports
 from .run import SignoffRun, check_config, check_speculative, decide_and_write
-from .steps import StepRunner, load_output
+from .steps import StepRunner, load_output, recorded
 from .verdict import SignoffReport
 
 
@@ -142,10 +142,11 @@ def _start(c: Candidate, policy: Policy, recipe: Recipe, source: ModelSource) ->
     """Quantize and evaluate in a process of its own (apart.py: what its libraries keep goes with it), then take
     up its recorded outcomes here for the bench and the report."""
     Path(c.cfg.output).mkdir(parents=True, exist_ok=True)
+    before = recorded(c.folder)
     run_apart(f"candidate {c.name}'s quantize and eval", _quality, c.cfg, policy, recipe, source, c.folder)
-    c.run = SignoffRun(c.cfg, policy, recipe, source, c.folder, StepRunner(c.folder, replay=True))
+    c.run = SignoffRun(c.cfg, policy, recipe, source, c.folder, StepRunner(c.folder, replay=before))
     c.run.quality()
-    c.run.runner.replay = False  # the bench and the diagnosis run in this process
+    c.run.runner.replay = None  # the bench and the diagnosis run in this process
 
 
 def _quality(cfg: LocalSignoffConfig, policy: Policy, recipe: Recipe, source: ModelSource, folder: Path) -> None:
