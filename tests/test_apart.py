@@ -49,3 +49,33 @@ def test_the_childs_error_comes_back_as_its_kind(kind, error, words):
 def test_a_child_that_dies_is_an_error_naming_its_exit():
     with pytest.raises(RuntimeError, match="dying: its process ended with exit code 9"):
         run_apart("dying", die)
+
+
+def test_a_replaying_runner_takes_up_what_the_child_did_and_tells_ran_from_reused(tmp_path):
+    """The sweep's parent after its child (sweep._start): a step the child ran is no reused step in the report,
+    one it found done is; a step the child never finished is an error saying so; nothing runs in the parent."""
+    from qtoolkit.signoff.steps import StepRunner, recorded
+
+    out = tmp_path / "x.json"
+
+    def write() -> None:
+        out.write_text("{}")
+
+    child = StepRunner(tmp_path)
+    assert child.run("quantize", {"a": 1}, out, write).ok
+    child.lock.release()
+    before = recorded(tmp_path)  # the parent's snapshot: quantize done, eval not yet
+    child = StepRunner(tmp_path)  # the child: quantize found done, eval run now
+    assert child.run("quantize", {"a": 1}, out, write).reused
+    assert child.run("eval", {"b": 2}, out, write).ok
+    child.lock.release()
+
+    def must_not_run() -> None:
+        raise AssertionError("a replaying runner ran a step")
+
+    parent = StepRunner(tmp_path, replay=before)
+    assert parent.run("quantize", {"a": 1}, out, must_not_run).reused
+    ran = parent.run("eval", {"b": 2}, out, must_not_run)
+    assert ran.ok and not ran.reused
+    lost = parent.run("bench", {"c": 3}, out, must_not_run)
+    assert not lost.ok and "ended before the step finished" in lost.error

@@ -376,6 +376,53 @@ def test_signoff_and_bench_modules_are_imported_under_their_own_names():
     assert len(found) <= MAX_RENAMED_MODULE_IMPORTS, "\n".join(found)
 
 
+# ---- the sign-off's mode is its configuration's type (signoff/config.py), never read off which fields are set -----
+MODE_FILES = ("qtoolkit/signoff/", "qtoolkit/commands/signoff.py")
+MODE_FIELDS = {"candidate_endpoint", "baseline_endpoint"}
+CONFIG_NAME = re.compile(r"(^|[._])(cfg|config)$")
+
+
+def _tested_expressions(tree: ast.AST) -> list[ast.AST]:
+    """Every expression a branch turns on: if/while/assert/ternary tests, comprehension and match guards, and
+    the operands of `and`, `or`, `not`."""
+    out: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+            out.append(node.test)
+        elif isinstance(node, ast.comprehension):
+            out += node.ifs
+        elif isinstance(node, ast.match_case) and node.guard is not None:
+            out.append(node.guard)
+        elif isinstance(node, ast.BoolOp):
+            out += node.values
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            out.append(node.operand)
+    return out
+
+
+def _mode_by_field(tree: ast.AST, where: str) -> list[str]:
+    """`if cfg.candidate_endpoint or cfg.baseline_endpoint:`, `hasattr(cfg, "baseline_endpoint")`: a mode picked
+    by testing a configuration's fields (the CLI's `args.*` flags are what it builds the type from: not counted)."""
+    hits = set()
+    for test in _tested_expressions(tree):
+        for node in ast.walk(test):
+            field = None
+            if isinstance(node, ast.Attribute) and node.attr in MODE_FIELDS:
+                field = node.attr if CONFIG_NAME.search(ast.unparse(node.value)) else None
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                  and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in MODE_FIELDS):
+                field = node.args[1].value
+            if field:
+                hits.add(f"{where}:{node.lineno}: {field}")
+    return sorted(hits)
+
+
+def test_no_sign_off_picks_its_mode_by_testing_a_configs_fields():
+    found = [hit for path in MODULES.values() if _rel(path).startswith(MODE_FILES)
+             for hit in _mode_by_field(ast.parse(path.read_text()), _rel(path))]
+    assert found == []
+
+
 def test_the_guards_find_what_they_guard():
     """Each guard on a snippet that breaks it (so a guard cannot pass by finding nothing)."""
     tree = ast.parse("(a.get('x') or {}).get('y')\n(a.get('x') or {})['y']\nb.get('x') or {}\n")
@@ -386,3 +433,7 @@ def test_the_guards_find_what_they_guard():
     snippet = "def f(x):\n    return x['a']['b'], x.get('a')['b'], x['a'], x[0]['b']\n" \
               "def to_json(x):\n    return x['a']['b']\n"
     assert len(_key_path_reads(ast.parse(snippet), "snippet")) == 2
+    snippet = ("if cfg.candidate_endpoint or cfg.baseline_endpoint:\n    pass\n"
+               "x = c.cfg.candidate_endpoint if hasattr(cfg, 'baseline_endpoint') else None\n"
+               "url = cfg.candidate_endpoint\nif args.candidate_endpoint:\n    pass\n")
+    assert len(_mode_by_field(ast.parse(snippet), "snippet")) == 3

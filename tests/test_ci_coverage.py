@@ -12,9 +12,9 @@ from qtoolkit.evals.stats.paired import LABELS, coverage_at, paired_delta, ratio
 from qtoolkit.evals.summary import figure_from_json
 
 from qtoolkit.commands.signoff import DEFAULT_MAX_ITEMS
+from qtoolkit.signoff.config import LocalSignoffConfig
 from qtoolkit.signoff.policy import load_policy
 from qtoolkit.signoff.sequential import stages
-from qtoolkit.signoff.steps import SignoffConfig
 from qtoolkit.signoff.verdicts import INCONCLUSIVE, PASS, judge_quality
 
 RUNS = 2000
@@ -91,7 +91,8 @@ def test_every_default_policy_gate_reads_a_shape_the_table_vouches_for_at_the_ma
     gates = [m for bounds in policy.tasks.values() for m in bounds]
     gates += [k for k, v in policy.throughput.model_dump().items() if v is not None]
     assert set(gates) <= set(GATE_SHAPES), set(gates) - set(GATE_SHAPES)
-    cfg = SignoffConfig()  # the main job: `qtool signoff --model default --recipe fp8-dynamic`
+    # the main job: `qtool signoff --model default --recipe fp8-dynamic`
+    cfg = LocalSignoffConfig(recipe="fp8-dynamic", output="runs/signoff")
     looks = stages(cfg.limit, DEFAULT_MAX_ITEMS) + [40]
     assert looks[:4] == [8, 16, 32, 64] and cfg.rounds == 3  # the speed gates' first look (signoff/speed.py)
     for gate in gates:

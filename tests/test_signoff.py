@@ -14,9 +14,9 @@ from qtoolkit.cli import main
 from qtoolkit.model.sources import resolve_model
 from qtoolkit.quantize.recipe import load_recipe
 from qtoolkit.quantize.report import QuantizeReport, QuantizeSummary
+from qtoolkit.signoff.config import LocalSignoffConfig
 from qtoolkit.signoff.policy import load_policy
 from qtoolkit.signoff.run import SignoffRun
-from qtoolkit.signoff.steps import SignoffConfig
 from qtoolkit.signoff.sweep import Candidate, _local_judge
 from qtoolkit.signoff.verdicts import EXIT_CODES, overall
 
@@ -266,9 +266,9 @@ def test_sweep_over_recipes_keeps_single_verdicts_generates_the_baseline_once_an
             assert bench["status"] == "ok"
     # the family-wise reading rebuilds a candidate's figures from its finished items: at the full 5% it gives back
     # the candidate's own gates exactly, and at a smaller share its intervals only widen
-    c = Candidate("int4-rtn", "int4-rtn", SignoffConfig(model=str(tiny_model_dir), recipe="int4-rtn",
-                                                         output=str(out / "candidates" / "int4-rtn"), limit=2,
-                                                         max_items=2))
+    c = Candidate("int4-rtn", "int4-rtn", LocalSignoffConfig(model=str(tiny_model_dir), recipe="int4-rtn",
+                                                              output=str(out / "candidates" / "int4-rtn"), limit=2,
+                                                              max_items=2))
     policy = load_policy("default")
     c.run = SignoffRun(c.cfg, policy, load_recipe("int4-rtn"), resolve_model(str(tiny_model_dir)), c.folder, None,
                  quant=QuantizeReport.load(c.folder / "checkpoint" / "quantize_report.json"))

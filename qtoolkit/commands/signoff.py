@@ -5,10 +5,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from typing import Any
 
 from qtoolkit.endpoints.args import add_server_arguments, resolve_server
 from qtoolkit.errors import QToolError
 from qtoolkit.signoff import defaults
+from qtoolkit.signoff.config import (
+    DeploymentSignoffConfig,
+    EndpointSweepSignoffConfig,
+    LocalSignoffConfig,
+    SignoffConfig,
+    SweepSignoffConfig,
+)
 from qtoolkit.signoff.verdicts import EXIT_CODES
 
 DEFAULT_MAX_ITEMS = defaults.MAX_ITEMS
@@ -89,11 +97,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="report folder (reruns reuse finished steps)")
 
 
-def run(args: argparse.Namespace) -> int:
-    # start-up time (`qtool --help` imports every command): the sign-off loads the evals, llm-compressor, torch
-    from qtoolkit.signoff.run import SignoffConfig, signoff
-    from qtoolkit.signoff.sweep import endpoint_pairs, recipe_list, signoff_endpoint_sweep, signoff_sweep
+def recipe_list(spec: str) -> list[str]:
+    """`--recipe a,b,c` -> the recipes; one name is a single sign-off."""
+    return [s.strip() for s in spec.split(",") if s.strip()]
 
+
+def endpoint_pairs(values: list[str]) -> list[tuple[str, str]]:
+    """`--candidate-endpoint NAME=URL` (repeatable) -> [(name, url)]; a lone bare URL is named `candidate`."""
+    pairs = []
+    for v in values:
+        name, sep, url = v.partition("=")
+        if not sep or name.startswith(("http://", "https://")):
+            if len(values) > 1:
+                raise QToolError(f"--candidate-endpoint {v!r}: with several candidate endpoints name each one, "
+                                 "e.g. --candidate-endpoint int4=http://host:8001/v1")
+            name, url = "candidate", v
+        pairs.append((name.strip(), url.strip()))
+    if len({n for n, _ in pairs}) != len(pairs):
+        raise QToolError("two --candidate-endpoint share a name: give each candidate its own NAME=URL")
+    return pairs
+
+
+REJUDGE_SWEEP = ("--rejudge takes one recipe; to judge a sweep again rerun the same command: its finished steps are "
+                 "reused")
+
+
+def config_of(args: argparse.Namespace) -> SignoffConfig:
+    """The one configuration type of the mode the flags ask for; a flag left out takes the type's default, which
+    is defaults.py's (the budgets that follow --limit and --rounds included). Flags of another mode are refused."""
     deployed = args.candidate_endpoint or args.baseline_endpoint
     if bool(args.recipe) == bool(deployed):
         raise QToolError("pass --recipe R (quantize and serve here) or --candidate-endpoint with --baseline-endpoint "
@@ -102,31 +133,69 @@ def run(args: argparse.Namespace) -> int:
         raise QToolError("--kv-cache-dtype sets the cache of servers qtoolkit starts: a deployment's KV cache is its "
                          "server's own flag (e.g. vLLM's --kv-cache-dtype fp8); drop --kv-cache-dtype")
     endpoint, _ = resolve_server(args.base_url, args.endpoint, ("/v1/completions",))
+    common: dict[str, Any] = {
+        "model": args.model, "output": args.output, "policy": args.policy, "limit": args.limit,
+        "concurrency": args.concurrency, "num_requests": args.num_requests, "data": args.data,
+        "allow_weak_sandbox": args.allow_weak_sandbox, **({"rounds": args.rounds} if args.rounds else {}),
+        "max_rounds": defaults.max_rounds(args.rounds or defaults.ROUNDS) if args.max_rounds is None
+        else args.max_rounds,
+        "max_items": defaults.max_items(args.limit) if args.max_items is None else args.max_items}
+    if deployed:
+        return _deployment_config(args, endpoint, common)
+    common |= {"endpoint": endpoint, "kv_cache_dtype": args.kv_cache_dtype,
+               "speculative": None if (args.speculative or "none").lower() == "none" else args.speculative}
+    recipes = recipe_list(args.recipe)
+    if len(recipes) > 1:
+        if args.rejudge:
+            raise QToolError(REJUDGE_SWEEP)
+        return SweepSignoffConfig(recipes=tuple(recipes), **common)
+    return LocalSignoffConfig(recipe=args.recipe, rejudge=args.rejudge, **common)
+
+
+def _deployment_config(args: argparse.Namespace, endpoint: str | None, common: dict[str, Any],
+                       ) -> DeploymentSignoffConfig | EndpointSweepSignoffConfig:
+    """A deployment sign-off, or a sweep of several served candidates against one baseline endpoint."""
     pairs = endpoint_pairs(args.candidate_endpoint)
-    several = (args.recipe is not None and len(recipe_list(args.recipe)) > 1) or len(pairs) > 1
-    if several and args.rejudge:
-        raise QToolError("--rejudge takes one recipe; to judge a sweep again rerun the same command: its finished "
-                         "steps are reused")
-    # stdout carries the verdict; llm-compressor's loguru sink binds to whatever sys.stdout is at its import
+    if len(pairs) > 1 and args.rejudge:
+        raise QToolError(REJUDGE_SWEEP)
+    if len(pairs) > 1 and not args.baseline_endpoint:
+        raise QToolError("several --candidate-endpoint need one --baseline-endpoint to be compared with")
+    if not (pairs and args.baseline_endpoint):
+        raise QToolError("pass both --candidate-endpoint and --baseline-endpoint: a deployment sign-off measures "
+                         "both sides the same way (or neither, to sign off qtoolkit's own engine)")
+    if endpoint:
+        raise QToolError("--endpoint is the candidate-only shortcut: use --candidate-endpoint with --baseline-endpoint")
+    if args.rejudge:
+        raise QToolError("--rejudge judges a local sign-off's step outputs again; a deployment sign-off rerun with "
+                         "the same command reuses its finished steps: drop --rejudge")
+    served = {"baseline_endpoint": args.baseline_endpoint, "baseline": args.baseline,
+              "candidate_model_id": args.candidate_model_id, "baseline_model_id": args.baseline_model_id}
+    if len(pairs) > 1:
+        return EndpointSweepSignoffConfig(candidates=tuple(pairs), **common, **served)
+    return DeploymentSignoffConfig(candidate_endpoint=pairs[0][1], **common, **served)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_of(args)
+    # stdout carries the verdict; llm-compressor's loguru sink binds to whatever sys.stdout is at its import, so
+    # the sign-off is imported inside the redirect (imported here, not above: `qtool --help` imports every command)
     with contextlib.redirect_stdout(sys.stderr):
-        cfg = SignoffConfig(
-            model=args.model, recipe=args.recipe, output=args.output, policy=args.policy, limit=args.limit,
-            endpoint=endpoint, concurrency=args.concurrency, kv_cache_dtype=args.kv_cache_dtype,
-            num_requests=args.num_requests,
-            rounds=args.rounds or (defaults.DEPLOYMENT_ROUNDS if deployed else defaults.ROUNDS),
-            max_rounds=max(defaults.MAX_ROUNDS, args.rounds or defaults.ROUNDS) if args.max_rounds is None
-            else args.max_rounds,
-            max_items=max(DEFAULT_MAX_ITEMS, args.limit) if args.max_items is None else args.max_items,
-            allow_weak_sandbox=args.allow_weak_sandbox, rejudge=args.rejudge,
-            speculative=None if deployed or (args.speculative or "none").lower() == "none" else args.speculative,
-            candidate_endpoint=pairs[0][1] if pairs else None, baseline_endpoint=args.baseline_endpoint,
-            baseline=args.baseline, candidate_model_id=args.candidate_model_id,
-            baseline_model_id=args.baseline_model_id, data=args.data)
-        if len(pairs) > 1:
-            report = signoff_endpoint_sweep(cfg, pairs)
-        else:
-            report = signoff_sweep(cfg) if several else signoff(cfg)
-    if several:
+        from qtoolkit.signoff.deployment import signoff_deployments
+        from qtoolkit.signoff.run import signoff_local
+        from qtoolkit.signoff.sweep import signoff_endpoint_sweep, signoff_sweep
+
+        match cfg:  # the mode is the configuration's type, never which of its fields are set
+            case LocalSignoffConfig():
+                report = signoff_local(cfg)
+            case DeploymentSignoffConfig():
+                report = signoff_deployments(cfg)
+            case SweepSignoffConfig():
+                report = signoff_sweep(cfg)
+            case EndpointSweepSignoffConfig():
+                report = signoff_endpoint_sweep(cfg)
+            case _:
+                raise TypeError(f"{type(cfg).__name__} is no sign-off mode")
+    if isinstance(cfg, (SweepSignoffConfig, EndpointSweepSignoffConfig)):
         return _print_sweep(report, args.output)
     print(f"verdict: {report['verdict']}")
     for reason in report["reasons"]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -31,7 +32,10 @@ def _child(conn: Connection, fn: Callable[..., None], args: tuple[Any, ...]) -> 
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass  # not Linux: an orphan is possible, as it is for any other child
-    sys.stdout = sys.stderr
+    # stdout to stderr at the descriptor: `fn`'s module was imported when the arguments were unpickled, and a
+    # logger bound to sys.stdout then (llm-compressor's) writes to descriptor 1
+    sys.stdout.flush()
+    os.dup2(2, 1)
     try:
         fn(*args)
         conn.send(None)

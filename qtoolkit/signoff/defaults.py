@@ -1,6 +1,8 @@
-"""The sign-off's defaults, written once: `SignoffConfig` (steps.py) and `qtool signoff`'s flags both read them.
+"""The sign-off's defaults, written once: the configuration types (config.py) and `qtool signoff`'s flags both
+read them.
 
-A module of constants, torch-free, so the CLI can build its parser without importing the sign-off.
+A module of constants (and the two budgets that follow another flag), torch-free, so the CLI can build its parser
+without importing the sign-off.
 """
 
 from __future__ import annotations
@@ -19,3 +21,14 @@ MAX_ROUNDS = 9  # the speed gates' budget while undecided
 KV_CACHE_DTYPE = "auto"
 SPECULATIVE = None  # no speculative layer: each proposer adds three ablation systems (about twice the bench step)
 MEAN_OUTPUT_TOKENS = 48
+DIAGNOSE_BATCHES = (1, 8)  # the baseline model's bottleneck diagnosis
+
+
+def max_items(limit: int) -> int:
+    """--max-items left out: the budget, or --limit if larger (then one look)."""
+    return max(MAX_ITEMS, limit)
+
+
+def max_rounds(rounds: int) -> int:
+    """--max-rounds left out: the budget, or --rounds if larger (then one look)."""
+    return max(MAX_ROUNDS, rounds)

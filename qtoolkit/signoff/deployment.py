@@ -29,13 +29,14 @@ from ..progress import status
 from ..provenance import provenance
 from ..quantize.report import QuantizeReport
 from . import verdicts, workload
+from .config import DeploymentSignoffConfig, EndpointsSignoffConfig
 from .error_spending import SequentialRecord
 from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
 from .sequential import eval_step
 from .speed import SpeedPlan
-from .steps import SignoffConfig, StepOutcome, StepRunner, load_output
+from .steps import StepOutcome, StepRunner, load_output
 from .verdict import DeploymentSection, Evidence, NotMeasurable, SpeedSection, decide
 
 STEPS = ("checkpoint", "eval", "bench")
@@ -54,12 +55,7 @@ ALWAYS_NOT_MEASURABLE = [
 ]
 
 
-def deployments(cfg: SignoffConfig) -> dict[str, Deployment]:
-    if not (cfg.candidate_endpoint and cfg.baseline_endpoint):
-        raise QToolError("pass both --candidate-endpoint and --baseline-endpoint: a deployment sign-off measures "
-                         "both sides the same way (or neither, to sign off qtoolkit's own engine)")
-    if cfg.endpoint:
-        raise QToolError("--endpoint is the candidate-only shortcut: use --candidate-endpoint with --baseline-endpoint")
+def deployments(cfg: DeploymentSignoffConfig) -> dict[str, Deployment]:
     baseline_local = cfg.baseline or cfg.model
     return {"candidate": endpoint("candidate", cfg.candidate_endpoint, local=cfg.model, model_id=cfg.candidate_model_id),
             "baseline": endpoint("baseline", cfg.baseline_endpoint, local=baseline_local,
@@ -91,7 +87,7 @@ def _checkpoint_report(dep: Deployment) -> QuantizeReport | None:
     return QuantizeReport.load(resolve_model(dep.local).path / "quantize_report.json")
 
 
-def signoff_deployments(cfg: SignoffConfig) -> dict[str, Any]:
+def signoff_deployments(cfg: DeploymentSignoffConfig) -> dict[str, Any]:
     if cfg.limit <= 0 or cfg.rounds <= 0:
         raise QToolError(f"--limit and --rounds must be positive, got {cfg.limit} and {cfg.rounds}")
     if cfg.max_items is not None and cfg.max_items < cfg.limit:
@@ -139,7 +135,7 @@ def identify(out: Path, dep: Deployment, info: EndpointInfo) -> EndpointInfo:
     return replace(info, identity=settled.key(), fingerprint=asdict(settled.fingerprint), changed=change)
 
 
-def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], infos: dict[str, EndpointInfo],
+def _eval_step(cfg: DeploymentSignoffConfig, policy: Policy, deps: dict[str, Deployment], infos: dict[str, EndpointInfo],
                steps: StepRunner, tasks: str, identity: dict[str, Any]) -> StepOutcome:
     """Both endpoints scored paired; as in the local sign-off, while a measurable quality gate is undecided and
     none failed, the undecided tasks draw more items up to --max-items (qtoolkit/signoff/sequential.py)."""
@@ -154,7 +150,7 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
             output=str(out / "eval.json"), limit=items, endpoint=infos["candidate"].url,
             baseline_endpoint=infos["baseline"].url, seed=cfg.seed, overwrite=overwrite,
             model_id=infos["candidate"].model_id, baseline_model_id=infos["baseline"].model_id,
-            task_options=cfg.task_options(), endpoint_identity=infos["candidate"].identity,
+            task_options=workload.task_options(cfg), endpoint_identity=infos["candidate"].identity,
             baseline_endpoint_identity=infos["baseline"].identity,
             baseline_generations=cfg.baseline_generations, level=level))
 
@@ -166,7 +162,7 @@ def _eval_step(cfg: SignoffConfig, policy: Policy, deps: dict[str, Deployment], 
     return eval_step(steps, out, inputs, policy, cfg.limit, cfg.max_items, run, judge)
 
 
-def judge_deployment(cfg: SignoffConfig, policy: Policy, evals: EvalResults | None, table: ThroughputTable | None,
+def judge_deployment(cfg: EndpointsSignoffConfig, policy: Policy, evals: EvalResults | None, table: ThroughputTable | None,
                      quant: QuantizeReport | None, bench: AblationBench | None = None,
                      ) -> tuple[list[Gate], list[NotMeasurable]]:
     """The gates, those the endpoints cannot give marked `not measurable` (INCONCLUSIVE, never passed), and
@@ -188,7 +184,7 @@ def judge_deployment(cfg: SignoffConfig, policy: Policy, evals: EvalResults | No
     return gates, items + marked
 
 
-def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, EndpointInfo],
+def _decide_and_write(cfg: DeploymentSignoffConfig, policy: Policy, infos: dict[str, EndpointInfo],
                       results: dict[str, StepOutcome], quant: QuantizeReport | None) -> dict[str, Any]:
     out = Path(cfg.output)
     steps = {n: results.get(n) or StepOutcome(None) for n in STEPS}
@@ -202,7 +198,7 @@ def _decide_and_write(cfg: SignoffConfig, policy: Policy, infos: dict[str, Endpo
     evidence.speed = SpeedSection.of(speed_bench, policy)  # the report's first lines
     deployment = DeploymentSection({r: asdict(i) for r, i in infos.items()}, table, not_measurable)
     # the recipe the served checkpoint was made with, as its quantize_report.json says
-    config = {**asdict(cfg), "recipe": cfg.recipe or (quant.recipe.name if quant else None)}
+    config = cfg.to_json() | {"recipe": quant.recipe.name if quant else None}
     # no gate to judge is a FAIL here: a deployment passes only on what was measured through its endpoints
     report = decide(evidence, config=config, policy=policy, deployment=deployment, without_gates=verdicts.FAIL,
                     provenance=provenance(model={"candidate": cfg.model, "baseline": cfg.baseline or cfg.model},

@@ -19,12 +19,12 @@ from ..bench.memory import PeakMemory
 from ..io import write_json, write_text
 from ..provenance import provenance
 from . import verdicts
+from .config import EndpointSweepSignoffConfig, SweepSignoffConfig
 from .family import NAME as FAMILY_METHOD
 from .judge import Gate
 from .policy import Policy
 from .report import fmt, html_report, png, table_cell
 from .speed import speed_limit
-from .steps import SignoffConfig
 
 RECOMMENDED = "RECOMMENDED"
 
@@ -242,8 +242,9 @@ def _markdown(verdict: str, line: str, rows: list[Row], peak: PeakMemory) -> str
     return "\n".join(lines)
 
 
-def write_sweep_reports(out: Path, cfg: SignoffConfig, policy: Policy, rows: list[Row], recipes: list[str],
-                        model: dict[str, Any], peak: PeakMemory) -> dict[str, Any]:
+def write_sweep_reports(out: Path, cfg: SweepSignoffConfig | EndpointSweepSignoffConfig, policy: Policy,
+                        rows: list[Row], recipes: list[str], model: dict[str, Any], peak: PeakMemory,
+                        ) -> dict[str, Any]:
     name, line, code = recommendation(rows)
     verdict = RECOMMENDED if name else next(v for v, c in verdicts.EXIT_CODES.items() if c == code)
     data = {**provenance(model=model, policy={"name": policy.name, "path": policy.source},
@@ -253,7 +254,7 @@ def write_sweep_reports(out: Path, cfg: SignoffConfig, policy: Policy, rows: lis
             "candidates": [r.to_json() | {"report": str(Path("candidates") / r.name / "report.html")}
                            for r in rows],
             "ranking": [r.name for r in ranked(rows)], "peak_memory": peak.to_json(),
-            "config": {k: v for k, v in cfg.__dict__.items() if k != "baseline_generations"}}
+            "config": {k: v for k, v in cfg.to_json().items() if k != "baseline_generations"}}
     md = _markdown(verdict, line, rows, peak)
     write_json(out / "report.json", data)
     write_text(out / "report.md", md)

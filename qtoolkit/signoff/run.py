@@ -8,7 +8,7 @@ and the verdict can then only be FAIL.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,21 +33,22 @@ from ..quantize.recipe import Recipe, load_recipe
 from ..quantize.report import QuantizeReport
 from ..quantize.run import quantize
 from . import workload
-from .deployment import signoff_deployments
+from .config import EngineSignoffConfig, LocalSignoffConfig
 from .error_spending import SequentialRecord, plan
 from .judge import Gate, evaluate_gates, undecided_and_failed
 from .policy import Policy, load_policy
 from .report import write_reports
 from .sequential import eval_step, planned_items
 from .speed import SpeedPlan
-from .steps import STEPS, SignoffConfig, StepOutcome, StepRunner
+from .steps import STEPS, StepOutcome, StepRunner
 from .verdict import Evidence, SpeedSection, decide
 
-__all__ = ["Gate", "SignoffConfig", "evaluate_gates", "signoff"]
+__all__ = ["Gate", "LocalSignoffConfig", "evaluate_gates", "signoff_local"]
 
 
-def check_config(cfg: SignoffConfig) -> Policy:
-    """Bad input is an error (exit 2) before any work; the policy it names, loaded."""
+def check_config(cfg: EngineSignoffConfig, rejudge: bool = False) -> Policy:
+    """Bad input is an error (exit 2) before any work; the policy it names, loaded (`rejudge`: judging again runs
+    no model-written code, so it needs no sandbox)."""
     if cfg.limit <= 0:
         raise QToolError(f"--limit must be a positive number of items, got {cfg.limit}")
     if cfg.rounds <= 0:
@@ -60,7 +61,7 @@ def check_config(cfg: SignoffConfig) -> Policy:
         raise QToolError(f"--max-items ({cfg.max_items}) must be at least --limit ({cfg.limit})")
     policy = load_policy(cfg.policy)
     workload.check_policy(policy, cfg.data)
-    if ("code" in policy.tasks or not policy.tasks) and not cfg.rejudge:
+    if ("code" in policy.tasks or not policy.tasks) and not rejudge:
         require(cfg.allow_weak_sandbox)  # fail closed before any work: model-written code needs the sandbox
     return policy
 
@@ -85,11 +86,9 @@ def check_speculative(speculative: str | None, source: ModelSource) -> None:
         check_fits(folder, read_head_config(folder), ModelConfig.from_hf(source.config))
 
 
-def signoff(cfg: SignoffConfig) -> dict[str, Any]:
+def signoff_local(cfg: LocalSignoffConfig) -> dict[str, Any]:
     """Run every step (or reuse it), decide, and write report.{json,md,html} into cfg.output."""
-    if cfg.candidate_endpoint or cfg.baseline_endpoint:
-        return signoff_deployments(cfg)
-    policy = check_config(cfg)
+    policy = check_config(cfg, cfg.rejudge)
     out = Path(cfg.output)
     _refuse_sweep_candidate(out)
     if cfg.rejudge:
@@ -112,7 +111,7 @@ def signoff(cfg: SignoffConfig) -> dict[str, Any]:
 class SignoffRun:
     """One sign-off's steps, in order: each runs (or is reused) through the StepRunner."""
 
-    cfg: SignoffConfig
+    cfg: LocalSignoffConfig
     policy: Policy
     recipe: Recipe
     source: ModelSource
@@ -171,8 +170,9 @@ class SignoffRun:
         cfg = self.cfg
         return EvalConfig(model=str(self.out / "checkpoint"), baseline=str(self.source.path), tasks=tasks,
                           output=str(output), limit=items, endpoint=cfg.endpoint, seed=cfg.seed, overwrite=overwrite,
-                          kv_cache_dtype=UNQUANTIZED if cfg.endpoint else self.kv, task_options=cfg.task_options(),
-                          baseline_generations=cfg.baseline_generations, level=level)
+                          kv_cache_dtype=UNQUANTIZED if cfg.endpoint else self.kv,
+                          task_options=workload.task_options(cfg), baseline_generations=cfg.baseline_generations,
+                          level=level)
 
     def eval_step(self, cand_key: str) -> None:
         cfg, policy, out, tasks, data = self.cfg, self.policy, self.out, self.tasks, self.data
@@ -243,7 +243,7 @@ class SignoffRun:
                                         seed=cfg.seed, rounds=cfg.rounds))
 
 
-def _rejudge(cfg: SignoffConfig, policy: Policy, out: Path) -> dict[str, Any]:
+def _rejudge(cfg: LocalSignoffConfig, policy: Policy, out: Path) -> dict[str, Any]:
     """Decide again from the step outputs already in `out` (e.g. under another policy, or after a fix to an
     interval method); runs nothing. Every summary is rebuilt from its per-item records by this code
     (evals/resummarize.py) at the level of the look its task stopped at, under this code's error spending."""
@@ -261,7 +261,7 @@ def _rejudge(cfg: SignoffConfig, policy: Policy, out: Path) -> dict[str, Any]:
         _check_rejudge_data(EvalResults.load(out / "eval.json"), cfg.data)
         planned = planned_items(sequential) or [cfg.limit]
         design = plan(planned)
-        evals = resummarize(out / "eval.json", design.level_at, len(design.items), cfg.task_options())
+        evals = resummarize(out / "eval.json", design.level_at, len(design.items), workload.task_options(cfg))
         if sequential is not None:
             sequential = sequential.with_design(design)
     return decide_and_write(cfg, policy, recipe, {"spec": cfg.model}, out, results, quant, evals=evals,
@@ -281,7 +281,7 @@ def _check_rejudge_data(evals: EvalResults, data: list[str]) -> None:
                          "--rejudge judges only what the run measured")
 
 
-def decide_and_write(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any], model: dict[str, Any], out: Path,
+def decide_and_write(cfg: LocalSignoffConfig, policy: Policy, recipe: dict[str, Any], model: dict[str, Any], out: Path,
                      results: dict[str, StepOutcome], quant: QuantizeReport | None, *,
                      evals: EvalResults | None = None, sequential: SequentialRecord | None = None) -> dict[str, Any]:
     """The evidence in `out` read once (Evidence.load), judged, decided, and written as report.{json,md,html}."""
@@ -292,6 +292,6 @@ def decide_and_write(cfg: SignoffConfig, policy: Policy, recipe: dict[str, Any],
     evidence.speed = SpeedSection.of(bench, policy)  # the report's first lines
     evidence.gates = evaluate_gates(workload.gate_policy(policy, evidence.evals, cfg.data), evidence.evals,
                                     evidence.ablation, evidence.quant, bench)
-    report = decide(evidence, config=asdict(cfg), policy=policy, provenance=provenance(
+    report = decide(evidence, config=cfg.to_json(), policy=policy, provenance=provenance(
         model=model, recipe=recipe, policy={"name": policy.name, "path": policy.source}))
     return write_reports(out, report)

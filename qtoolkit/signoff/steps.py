@@ -1,5 +1,4 @@
-"""What a sign-off is asked (SignoffConfig) and how its steps run once per input hash (StepRunner, steps.json),
-each step's outcome a StepOutcome."""
+"""How a sign-off's steps run once per input hash (StepRunner, steps.json), each step's outcome a StepOutcome."""
 
 from __future__ import annotations
 
@@ -7,16 +6,14 @@ import json
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import OutputWriteError, QToolError
-from ..evals.custom import custom_tasks
 from ..io import lock_output, read_results_json, write_json
 from ..progress import status
 from ..provenance import code_identity, text_sha256
-from . import defaults
 
 STEPS = ("quantize", "eval", "bench", "diagnose")
 
@@ -62,57 +59,24 @@ class StepOutcome:
                    d.get("reason"), d.get("note"), d.get("seconds"), bool(d.get("skipped")))
 
 
-@dataclass
-class SignoffConfig:
-    model: str = defaults.MODEL
-    recipe: str = "fp8-dynamic"
-    output: str = "runs/signoff"
-    policy: str = defaults.POLICY
-    limit: int = defaults.LIMIT
-    endpoint: str | None = None  # evaluate the candidate through a served endpoint instead of the engine
-    concurrency: list[int] = field(default_factory=lambda: list(defaults.CONCURRENCY))
-    num_requests: int | None = None
-    mean_output_tokens: int = defaults.MEAN_OUTPUT_TOKENS
-    speculative: str | None = defaults.SPECULATIVE  # e.g. "ngram": adds the speculative layer to the ablation
-    # the candidate's KV cache in its eval and bench servers; auto: the checkpoint's kv_cache_scheme when it has
-    # one, else the model's dtype. A quantized cache adds the ablation's KV cache layer (bench_kv.json)
-    kv_cache_dtype: str = defaults.KV_CACHE_DTYPE
-    diagnose_batches: tuple[int, ...] = (1, 8)
-    seed: int = 0
-    rounds: int = defaults.ROUNDS  # of every ablation system at every tier (the speed gates' first look)
-    max_rounds: int | None = defaults.MAX_ROUNDS  # the speed gates' budget: more rounds while a gate is undecided
-    max_items: int | None = None  # budget of items per task when a quality gate is inconclusive (qtoolkit/signoff/sequential.py)
-    allow_weak_sandbox: bool = False  # run model-written code even where bubblewrap cannot
-    rejudge: bool = False  # decide again from the step outputs in `output`, running nothing
-    # a deployment sign-off (qtoolkit.signoff.deployment): both sides measured through endpoints; `model` and
-    # `baseline` then name the local checkpoints (tokenizers, memory figures)
-    candidate_endpoint: str | None = None
-    baseline_endpoint: str | None = None
-    baseline: str | None = None
-    candidate_model_id: str | None = None
-    baseline_model_id: str | None = None
-    data: list[str] = field(default_factory=list)  # workload files: custom:STEM tasks and the bench's traffic
-    # the baseline's completions on disk (evals/backends/cached.py): a sweep over several recipes generates them once
-    baseline_generations: str | None = None
-
-    def task_options(self) -> dict[str, Any]:
-        """What every eval of this sign-off passes its tasks: the sandbox choice and the workload files' tasks."""
-        return {"allow_weak_sandbox": self.allow_weak_sandbox, "custom_data": custom_tasks(self.data)}
-
+def recorded(folder: Path) -> dict[str, StepOutcome]:
+    """The step outcomes steps.json in `folder` holds now (none when there is none)."""
+    path = folder / "steps.json"
+    return {n: StepOutcome.from_json(e) for n, e in read_results_json(path).items()} if path.is_file() else {}
 
 
 class StepRunner:
     """Runs steps once per input hash; remembers outcomes in steps.json."""
 
-    def __init__(self, folder: Path, *, replay: bool = False):
+    def __init__(self, folder: Path, *, replay: dict[str, StepOutcome] | None = None):
         self.folder = folder
-        # replay: read the outcomes another process recorded here, running nothing (a sweep's candidate
-        # quantized and evaluated in a child process: signoff/apart.py)
+        # replay: take up the outcomes another process recorded here, running nothing (a sweep's candidate
+        # quantized and evaluated in a child process: signoff/apart.py); the dict is steps.json before that
+        # process ran, so a step it reused is told from one it ran
         self.replay = replay
         self.path = folder / "steps.json"
         self.lock = lock_output(self.path)  # one sign-off at a time per folder: a second fails at once
-        state = read_results_json(self.path) if self.path.is_file() else {}
-        self.state: dict[str, StepOutcome] = {n: StepOutcome.from_json(e) for n, e in state.items()}
+        self.state: dict[str, StepOutcome] = recorded(folder)
 
     def _write(self) -> None:
         write_json(self.path, {n: o.to_json() for n, o in self.state.items()})
@@ -148,9 +112,10 @@ class StepRunner:
         key = self.key(inputs)
         prev = self.state.get(name)
         if prev is not None and self.finished(name, inputs, output):
-            status(f"{name}: up to date ({output.name}), skipped")
-            return replace(prev, reused=True)
-        if self.replay:
+            if self.replay is None:  # a replayed step has said what it did, in its own process
+                status(f"{name}: up to date ({output.name}), skipped")
+            return replace(prev, reused=self.replay is None or self.replay.get(name) == prev)
+        if self.replay is not None:
             if prev is not None and prev.key == key and prev.status == "error":
                 return prev
             return StepOutcome.failed(f"{name}: its process ended before the step finished; rerun the same "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +33,19 @@ from ..quantize.plausibility import check_source
 from ..quantize.recipe import Recipe, load_recipe
 from . import verdicts, workload
 from .apart import run_apart
+from .config import (
+    DeploymentSignoffConfig,
+    EndpointSweepSignoffConfig,
+    LocalSignoffConfig,
+    SweepSignoffConfig,
+)
 from .deployment import judge_deployment, signoff_deployments
 from .family import FamilyJudgement, Rejudge, fallback, judge_at, look_levels
 from .judge import Gate, evaluate_gates
 from .policy import Policy, load_policy
 from .ranking import Bought, Row, worst_gate, write_sweep_reports
 from .run import SignoffRun, check_config, check_speculative, decide_and_write
-from .steps import SignoffConfig, StepRunner, load_output
+from .steps import StepRunner, load_output, recorded
 from .verdict import SignoffReport
 
 
@@ -48,8 +54,8 @@ class Candidate:
     """One recipe of the sweep: its single sign-off's run, outcome and family-wise reading."""
 
     name: str
-    spec: str  # the recipe as given (a shipped name or a file)
-    cfg: SignoffConfig
+    spec: str  # the recipe as given (a shipped name or a file), or the served candidate's URL
+    cfg: LocalSignoffConfig | DeploymentSignoffConfig
     run: SignoffRun | None = None
     error: str | None = None  # what stopped it outside its steps (its steps record their own errors)
     report: SignoffReport | None = None
@@ -60,15 +66,10 @@ class Candidate:
         return Path(self.cfg.output)
 
 
-def recipe_list(spec: str) -> list[str]:
-    """`--recipe a,b,c` -> the recipes; one name is a single sign-off."""
-    return [s.strip() for s in spec.split(",") if s.strip()]
-
-
-def signoff_sweep(cfg: SignoffConfig) -> dict[str, Any]:
+def signoff_sweep(cfg: SweepSignoffConfig) -> dict[str, Any]:
     """Every candidate's sign-off, the family-wise reading and the ranked report in cfg.output."""
     policy = check_config(cfg)
-    specs = recipe_list(cfg.recipe)
+    specs = list(cfg.recipes)
     recipes = [load_recipe(s) for s in specs]  # an unknown recipe is bad input: exit 2 before any work
     names = [r.name for r in recipes]
     if len(set(names)) != len(names):
@@ -80,8 +81,8 @@ def signoff_sweep(cfg: SignoffConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     shared = StepRunner(out)  # one sweep per folder at a time
     generations = str(out / "baseline" / "generations.jsonl")
-    cands = [Candidate(n, s, replace(cfg, recipe=s, output=str(out / "candidates" / n),
-                                     baseline_generations=generations)) for n, s in zip(names, specs, strict=True)]
+    cands = [Candidate(n, s, cfg.candidate(s, str(out / "candidates" / n), generations))
+             for n, s in zip(names, specs, strict=True)]
     try:
         with peak_memory(pss=True) as peak:  # the whole tree: this process, its servers, sandboxes, compilers
             for i, (c, recipe) in enumerate(zip(cands, recipes, strict=True)):
@@ -141,13 +142,14 @@ def _start(c: Candidate, policy: Policy, recipe: Recipe, source: ModelSource) ->
     """Quantize and evaluate in a process of its own (apart.py: what its libraries keep goes with it), then take
     up its recorded outcomes here for the bench and the report."""
     Path(c.cfg.output).mkdir(parents=True, exist_ok=True)
+    before = recorded(c.folder)
     run_apart(f"candidate {c.name}'s quantize and eval", _quality, c.cfg, policy, recipe, source, c.folder)
-    c.run = SignoffRun(c.cfg, policy, recipe, source, c.folder, StepRunner(c.folder, replay=True))
+    c.run = SignoffRun(c.cfg, policy, recipe, source, c.folder, StepRunner(c.folder, replay=before))
     c.run.quality()
-    c.run.runner.replay = False  # the bench and the diagnosis run in this process
+    c.run.runner.replay = None  # the bench and the diagnosis run in this process
 
 
-def _quality(cfg: SignoffConfig, policy: Policy, recipe: Recipe, source: ModelSource, folder: Path) -> None:
+def _quality(cfg: LocalSignoffConfig, policy: Policy, recipe: Recipe, source: ModelSource, folder: Path) -> None:
     run = SignoffRun(cfg, policy, recipe, source, folder, StepRunner(folder))
     try:
         run.quality()
@@ -203,7 +205,7 @@ def _bench(cands: list[Candidate], policy: Policy, source: ModelSource) -> None:
             _guard(c, c.run.bench_step)
 
 
-def _diagnose(cands: list[Candidate], shared: StepRunner, cfg: SignoffConfig, source: ModelSource) -> None:
+def _diagnose(cands: list[Candidate], shared: StepRunner, cfg: SweepSignoffConfig, source: ModelSource) -> None:
     """The baseline model is diagnosed once; each candidate's folder gets a copy (its report reads it there)."""
     path = Path(cfg.output) / "diagnose.json"
     entry = shared.run("diagnose", {"model": source.sha256, "batches": cfg.diagnose_batches}, path,
@@ -258,7 +260,7 @@ def _family(cands: list[Candidate], judge: JudgeAt) -> None:
 def _local_judge(policy: Policy) -> JudgeAt:
     def judge(c: Candidate, alpha: float) -> FamilyJudgement:
         levels = look_levels(c.cfg.limit, c.cfg.max_items, alpha)
-        return judge_at(alpha, c.folder, levels, c.cfg.task_options(), _rejudge(c, policy))
+        return judge_at(alpha, c.folder, levels, workload.task_options(c.cfg), _rejudge(c, policy))
     return judge
 
 
@@ -272,27 +274,10 @@ def _rejudge(c: Candidate, policy: Policy) -> Rejudge:
     return run
 
 
-def endpoint_pairs(values: list[str]) -> list[tuple[str, str]]:
-    """`--candidate-endpoint NAME=URL` (repeatable) -> [(name, url)]; a lone bare URL is named `candidate`."""
-    pairs = []
-    for v in values:
-        name, sep, url = v.partition("=")
-        if not sep or name.startswith(("http://", "https://")):
-            if len(values) > 1:
-                raise QToolError(f"--candidate-endpoint {v!r}: with several candidate endpoints name each one, "
-                                 "e.g. --candidate-endpoint int4=http://host:8001/v1")
-            name, url = "candidate", v
-        pairs.append((name.strip(), url.strip()))
-    if len({n for n, _ in pairs}) != len(pairs):
-        raise QToolError("two --candidate-endpoint share a name: give each candidate its own NAME=URL")
-    return pairs
-
-
-def signoff_endpoint_sweep(cfg: SignoffConfig, pairs: list[tuple[str, str]]) -> dict[str, Any]:
+def signoff_endpoint_sweep(cfg: EndpointSweepSignoffConfig) -> dict[str, Any]:
     """Several served candidates against one baseline endpoint: a deployment sign-off each, one recommendation."""
     policy = load_policy(cfg.policy)
-    if not cfg.baseline_endpoint:
-        raise QToolError("several --candidate-endpoint need one --baseline-endpoint to be compared with")
+    pairs = cfg.candidates
     if (resolve_model(cfg.model).path / "quantize_report.json").is_file():
         raise QToolError(f"with several candidate endpoints --model is only their tokenizer, but {cfg.model} is a "
                          "quantized checkpoint whose bytes would be read as every candidate's: pass the unquantized "
@@ -301,8 +286,7 @@ def signoff_endpoint_sweep(cfg: SignoffConfig, pairs: list[tuple[str, str]]) -> 
     out.mkdir(parents=True, exist_ok=True)
     shared = StepRunner(out)
     generations = str(out / "baseline" / "generations.jsonl")
-    cands = [Candidate(n, url, replace(cfg, candidate_endpoint=url, output=str(out / "candidates" / n),
-                                       baseline_generations=generations)) for n, url in pairs]
+    cands = [Candidate(n, url, cfg.candidate(url, str(out / "candidates" / n), generations)) for n, url in pairs]
     try:
         with peak_memory() as peak:
             for i, c in enumerate(cands):
@@ -323,5 +307,5 @@ def _endpoint_judge(policy: Policy) -> JudgeAt:
             return judge_deployment(c.cfg, policy, evals, table, None)[0]
 
         levels = look_levels(c.cfg.limit, c.cfg.max_items, alpha)
-        return judge_at(alpha, c.folder, levels, c.cfg.task_options(), rejudge)
+        return judge_at(alpha, c.folder, levels, workload.task_options(c.cfg), rejudge)
     return judge

@@ -8,12 +8,14 @@ any `tests`) is left out of that file's gates rather than failing as "not measur
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from ..bench.workload_files import FileWorkload
 from ..evals.custom import custom_tasks
 from ..evals.custom_summary import AnswerSide
 from ..evals.results import EvalResults
 from ..evals.workload_file import file_sha256
+from .config import CommonSignoffConfig
 from .policy import Policy, PolicyError
 
 # metric -> the summary count that says whether the file can give it
@@ -25,6 +27,11 @@ def check_policy(policy: Policy, data: list[str]) -> None:
         raise PolicyError(f"policy {policy.name} has no `custom` section for --data: add tasks.custom bounds "
                           "(see recipes/policies/default.yaml)")
     custom_tasks(data)  # two files with one name: exit 2 before any work
+
+
+def task_options(cfg: CommonSignoffConfig) -> dict[str, Any]:
+    """What every eval of a sign-off passes its tasks: the sandbox choice and the workload files' tasks."""
+    return {"allow_weak_sandbox": cfg.allow_weak_sandbox, "custom_data": custom_tasks(cfg.data)}
 
 
 def eval_tasks(policy: Policy, data: list[str]) -> str:
