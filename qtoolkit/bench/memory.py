@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from ..engine.config import EngineConfig
 from ..errors import QToolError
 from ..model.sources import resolve_model
-from .tree_memory import tree_sample
+from .tree_memory import Peak, tree_sample
 from .types import BenchRequest, Workload
 
 SAMPLE_EVERY_S = 0.25
@@ -40,8 +40,7 @@ class PeakMemory:
     servers: int = 0
     window: dict[str, int] = field(default_factory=lambda: {"rss_bytes": 0, "processes": 0, "servers": 0})
     pss: bool = False
-    pss_bytes: int = 0
-    pss_processes: int = 0
+    pss_peak: Peak = field(default_factory=Peak)
     _samples: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -53,8 +52,7 @@ class PeakMemory:
                 if s.rss_bytes > peak["rss_bytes"]:
                     peak["rss_bytes"], peak["processes"] = s.rss_bytes, s.processes
                 peak["servers"] = max(peak["servers"], s.servers)
-            if s.pss_bytes is not None and s.pss_bytes > self.pss_bytes:
-                self.pss_bytes, self.pss_processes = s.pss_bytes, s.processes
+            self.pss_peak.offer(s.pss_bytes, 0.0, s.processes)
 
     def new_window(self) -> None:
         with self._lock:
@@ -67,7 +65,7 @@ class PeakMemory:
                                                                                  "servers")}
         if floor is not None and floor["rss_bytes"] > peak["rss_bytes"]:
             peak = {**floor, "servers": max(floor["servers"], peak["servers"])}
-        pss = {"pss_bytes": self.pss_bytes, "pss_processes": self.pss_processes} if self.pss and not window else {}
+        pss = {"pss_bytes": self.pss_peak.bytes, "pss_processes": self.pss_peak.processes} if self.pss and not window else {}
         return {**peak, **pss, "what": "summed RSS of the bench process and its servers, sampled every "
                                        f"{SAMPLE_EVERY_S} s" + (", and summed PSS (shared pages counted once) "
                                                                 "every second" if pss else "")}

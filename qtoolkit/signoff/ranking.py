@@ -229,7 +229,7 @@ def _markdown(verdict: str, line: str, rows: list[Row], peak: PeakMemory) -> str
               "candidate chosen after seeing the others.", "",
               f"Peak memory of the whole process tree (this process, its servers and sandboxes): "
               f"{peak.rss_bytes / 2**30:.2f} GiB of RSS summed over {peak.processes} processes at its peak"
-              + (f"; {peak.pss_bytes / 2**30:.2f} GiB of PSS (a page shared between processes counted once)"
+              + (f"; {peak.pss_peak.bytes / 2**30:.2f} GiB of PSS (a page shared between processes counted once)"
                  if peak.pss else "") + ".", ""]
     for r in rows:
         if r.error:
