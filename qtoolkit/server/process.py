@@ -6,13 +6,11 @@ nobody else) can switch its engine's batching and speculation between measuremen
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import secrets
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +21,7 @@ import httpx
 
 from ..engine.config import EngineConfig
 from ..errors import QToolError
-from ..launch import python_module_argv
+from ..launch import parent_death_signal, python_module_argv
 
 CONTROL_TOKEN_ENV = "QTOOL_CONTROL_TOKEN"
 CONTROL_HEADER = "X-Qtool-Control-Token"
@@ -77,7 +75,7 @@ def server_process(model: str, config: EngineConfig | None = None, *, max_waitin
     child_env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {}))
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
-                                preexec_fn=_parent_death_signal())
+                                preexec_fn=parent_death_signal())
         try:
             if on_start is not None:
                 on_start(proc.pid)
@@ -101,20 +99,6 @@ def controlled_server(model: str, config: EngineConfig | None = None, **kwargs: 
     pid: list[int] = []
     with server_process(model, config, env={CONTROL_TOKEN_ENV: token}, on_start=pid.append, **kwargs) as url:
         yield ControlledServer(url, token, pid[0])
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """Linux: a child hook so the server gets SIGTERM if the benchmark dies without cleanup (SIGKILL, crash).
-
-    libc is loaded here, in the parent: the hook runs between fork and exec, where importing is unsafe.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def _wait_healthy(proc: subprocess.Popen, base_url: str, timeout_s: float, log) -> None:

@@ -13,7 +13,6 @@ as a RuntimeError carrying its type and message; a child that dies without one i
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
 import signal
@@ -23,15 +22,13 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ..errors import OutputWriteError, QToolError
-
-_PR_SET_PDEATHSIG = 1
+from ..launch import parent_death_signal
 
 
 def _child(conn: Connection, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: an orphan is possible, as it is for any other child
+    die_with_parent = parent_death_signal(signal.SIGKILL)
+    if die_with_parent is not None:  # elsewhere than Linux an orphan is possible, as for any other child
+        die_with_parent()
     # stdout to stderr at the descriptor: `fn`'s module was imported when the arguments were unpickled, and a
     # logger bound to sys.stdout then (llm-compressor's) writes to descriptor 1
     sys.stdout.flush()
