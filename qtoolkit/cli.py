@@ -48,7 +48,7 @@ environment variables:
   QTOOLKIT_CACHE=DIR     converted GGUF models and other caches (default: ~/.cache/qtoolkit)
   QTOOLKIT_NO_CPU_EXT=1  do not build or use the AVX2 C++ kernels; torch ops instead (correct, slower)
   QTOOLKIT_EXT_DIR=DIR   where the C++ kernels are built and cached (default: ~/.cache/qtoolkit/torch_extensions)
-  LLM_COMPRESSOR_LOG_LEVEL  llm-compressor's own log level (qtool sets WARNING; INFO with -v, ERROR with -q)
+  LLM_COMPRESSOR_LOG_LEVEL  llm-compressor's own log level (qtool sets ERROR; WARNING with -v, INFO with -vv)
 
 exit codes: 0 ok / PASS, 1 a gate failed (FAIL), 2 bad input or an error (ERROR), 3 undecided (INCONCLUSIVE)"""
 
@@ -129,7 +129,10 @@ def configure_output(quiet: bool, verbose: int) -> None:
     if quiet:
         os.environ["QTOOLKIT_QUIET"] = "1"
     level = logging.ERROR if quiet else {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
-    os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", logging.getLevelName(level))
+    # llm-compressor warns at its import that no accelerator is found: on a CPU tool that is every run's first line,
+    # and before a bad-input error it makes the error two lines; its warnings show from -v on
+    lc_level = logging.ERROR if quiet else {0: logging.ERROR, 1: logging.WARNING}.get(verbose, logging.INFO)
+    os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", logging.getLevelName(lc_level))
     log = logging.getLogger("qtoolkit")
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
